@@ -196,7 +196,7 @@ def test_each_blocks_gathers_are_its_merges_at_their_own_sizes(combine: float) -
 
 def test_each_blocks_gradients_are_reduce_scattered_at_their_merged_sizes() -> None:
     """The last backward's gradient buckets are its blocks (from the head) at the real sizes of their merged
-    reduce-scatters (testbed.model.blocks.block_scatters), every gradient byte once: the head's and the token
+    reduce-scatters (testbed.model.block_scatters.block_scatters), every gradient byte once: the head's and the token
     table's gradients each a collective of their own, not equal shares of the chunk's."""
     spec = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
     plan = Plan(name="fsdp8", model=spec, mesh=MeshSpec(fsdp=8), precision="fp32", batch=BatchSpec(global_batch=8))
@@ -306,7 +306,7 @@ def _released_after(chunk, plays) -> list[tuple[int, int, int, dict[int, int]]]:
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_a_merged_reduce_scatter_leaves_once_the_weight_gradients_it_reads_are_computed(
         sequence_parallel: bool) -> None:
-    """testbed.model.blocks.scatter_reads and testbed.sim.step.span_order on fsdp64 x tensor 4 on the TPU slice (d_model
+    """testbed.model.block_scatters.scatter_reads and testbed.sim.step.span_order on fsdp64 x tensor 4 on the TPU slice (d_model
     2048, sequence 2048, bf16): each merged gradient reduce-scatter leaves after the weight gradients of every
     block it reads and right after the last of them, as XLA starts a collective once its operands are ready.
     Under sequence parallelism every layer's merge is issued in the embedding's block (it reads the backward's
@@ -433,7 +433,7 @@ def test_under_sequence_parallelism_the_embeddings_block_computes_held_weight_gr
 
 
 def test_a_layers_output_projection_gradient_merged_alone_leaves_before_its_input_gradients() -> None:
-    """testbed.model.blocks.scatter_early: where the combine bound closes a merge on a layer's ``mlp/w2``
+    """testbed.model.block_scatters.scatter_early: where the combine bound closes a merge on a layer's ``mlp/w2``
     gradient alone (d_model 2048, tensor 2: the next leaf does not fit XLA's bound), the traced TPU step computes
     that weight gradient before the layer's input gradients (its reduce-scatter ready at once), and the plan's
     play does too: the last layer's block computes that third of its weight-gradient matmuls first and releases
@@ -499,7 +499,7 @@ def test_the_heads_loss_gradient_runs_beside_the_heads_backward_gather() -> None
 
 
 def test_a_held_blocks_weight_gradients_are_cut_by_the_merges_that_read_them() -> None:
-    """testbed.model.blocks.scatter_cuts and testbed.sim.step.span_order's cut on fsdp128 x tensor 2 sequence parallel
+    """testbed.model.block_scatters.scatter_cuts and testbed.sim.step.span_order's cut on fsdp128 x tensor 2 sequence parallel
     fp32 on the TPU slice (d_model 2048, sequence 1024): the last layer's held weight gradients are cut by the
     merged reduce-scatters that read them, each computing its members' matmuls (its share of the layer's matrices)
     and leaving right after, as the traced layer does (its weight-gradient matmuls 0.498, 0.499, 0.373 ms, a

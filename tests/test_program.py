@@ -98,7 +98,7 @@ def test_gradient_bytes_are_conserved(plan):
         layers = plan.model.layers // (plan.mesh.stage * plan.schedule.virtual_stages)
         facts = step_facts(plan, place(plan, num_devices=plan.mesh.size).device_ids)
         # A block whose gradients all merge into a later block's reduce-scatters (XLA's combiner rule across pieces,
-        # testbed.model.blocks.block_scatters) reduces none of its own.
+        # testbed.model.block_scatters.block_scatters) reduces none of its own.
         blocks = sum(sum(1 for b in chunk.bucket_sizes if b) if chunk.bucket_sizes else chunk.blocks
                      for chunk in facts.chunks[s])
         per_chunk = min(BUCKETS, layers)

@@ -181,7 +181,7 @@ def test_pure_data_parallel_is_backward_plus_exposed_allreduce(topology):
 
 def test_sharded_gradients_reduce_while_the_backward_goes_on():
     """FSDP: gradients accumulate sharded, so the last backward's reduce-scatters start as the pieces whose
-    gradients they carry end, merged within XLA's bound across pieces (testbed.model.blocks.block_scatters): at
+    gradients they carry end, merged within XLA's bound across pieces (testbed.model.block_scatters.block_scatters): at
     d_model 1024 in fp32 a layer's gradients (50 MB) are two merges, each released as its layer's backward ends,
     all but the last before the backward's last piece."""
     plan = make_plan(fsdp=8, microbatches=1, layers=8)

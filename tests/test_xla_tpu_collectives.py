@@ -117,6 +117,22 @@ def test_fp32_gathers_only_matmuls_read_are_moved_in_bf16():
     assert result["agree"] == result["probes"] == 3, result["rows"]
 
 
+def test_rank_one_collectives_are_all_reduces_where_the_shard_is_not_whole_lane_rows():
+    """benchmarks/xla_tpu_vectors.py's recorded probes (v5e 2x2, 4x4, 8x8, v5p 2x2x2; whole slices and part of one;
+    bf16 and fp32): every rank-1 reduce-scatter, and every rank-1 all-gather of a shard not whole 128-lane rows, is
+    one all-reduce merging both of the probe's collectives; the others stay all-gathers
+    (testbed.sim.xla.xla_tpu.vector_gather_lowers, the rule both tiers apply)."""
+    spec = importlib.util.spec_from_file_location("xla_tpu_vectors", ROOT / "benchmarks" / "xla_tpu_vectors.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    record = json.loads(module.DATA.read_text())
+    assert record["versions"]["libtpu"] and record["command"].endswith("--collect")
+    result = module.compare(record)
+    assert result["agree"] == result["probes"] == 80, result["disagree"]
+    lowered = {(p["kind"], p["shard_elements"]) for p in record["probes"] if p["compiled"][0]["kind"] == "all-reduce"}
+    assert lowered == {("all-gather", 64), ("all-gather", 96)} | {("reduce-scatter", n) for n in (64, 96, 128, 256)}
+
+
 def test_the_plans_sequence_gathers_are_narrowed_by_the_same_rule():
     """testbed.sim.xla.xla_tpu.sequence_gather_bytes: a sequence-parallel fp32 plan's all-gathers that only matmuls read
     move half the bytes where the topology's compiler narrows (XLA:TPU), by gather_element_bytes (the traced tier's

@@ -154,15 +154,18 @@ def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
 #: (testbed.sim.xla.xla_tpu): a reduce-scatter over a whole v5e 4x4+ or v5p slice is an all-reduce, merged within 120 MiB,
 #: which an fp32 loss joins; under full remat a layer's backward gathers its recomputation's leaves apart; under fp32
 #: the weight matrices are gathered in bf16; a whole slice's all-gather of a small buffer (any on a v5p slice) is an
-#: all-reduce, merged by the all-reduce combiner (testbed.model.gather_lowering).
-FSDP = ("fsdp: XLA:TPU lowers a reduce-scatter over part of a slice (or a whole 2x2 one) of a leaf whose shard is "
-        "not lane-aligned, and of the norms, as an all-reduce of a padded buffer and collective-permutes, merges "
-        "HSDP's data all-reduces, and packs the gradients' all-reduces of a 16-layer model to the combiner's bound")
+#: all-reduce, merged by the all-reduce combiner (testbed.model.gather_lowering); a rank-1 gather of a shard not whole
+#: 128-lane rows and every rank-1 reduce-scatter are merged all-reduces (xla_tpu.vector_gather_lowers).
+FSDP = ("fsdp: XLA:TPU all-reduces some matrices' gradients whole (padded, with collective-permutes, over a 2x2 "
+        "slice or 8 of 64 chips) where they stay reduce-scatters over part of a slice, merges HSDP's data "
+        "all-reduces, and packs the gradients' all-reduces of a 16-layer model to the combiner's bound; with "
+        "sequence parallelism it gathers the recomputed activations again and merges the tensor-replicated "
+        "gradients' sums")
 #: The recorded fsdp plans whose collectives equal XLA:TPU's by testbed.sim.xla.xla_tpu's rules.
 FSDP_EQUAL = ("llama2k-fsdp8", "gpt2k-fsdp16-full", "llama2k-fsdp16-fp32-selective", "llama2k-fsdp64",
               "gpt2k-fsdp256-full", "gpt2k-fsdp1024-full")
-SP_SELECTIVE = ("sequence parallelism with selective remat: XLA:TPU gathers some activations again in the "
-                "backward (16 tensor all-gathers against 11)")
+SP_SELECTIVE = ("sequence parallelism with selective remat: XLA:TPU keeps the checkpoint's recomputed "
+                "all-gathers of the activations (16 tensor all-gathers against 11)")
 #: The recorded multi-chip plans whose collectives per mesh axis differ from XLA:TPU's, by mechanism.
 COLLECTIVES_APART = {
     **{r.name: FSDP for r in MULTI if r.plan.mesh.fsdp > 1 and r.name not in FSDP_EQUAL},
@@ -233,6 +236,23 @@ def test_xla_tpu_rules_make_the_named_fsdp_plans_equal():
     for name in ("gpt1k-fsdp4-full", "gpt2k-fsdp16-full"):
         gathers = [rows[name][f"{side}_collectives"]["fsdp all-gather"] for side in ("predicted", "xla")]
         assert gathers[0] == gathers[1] and gathers[0]["count"] == 63, (name, gathers)
+
+
+def test_rank_one_gathers_and_reduce_scatters_are_merged_all_reduces():
+    """XLA:TPU gathers a rank-1 (or flat) parameter whose shard is not whole 128-lane rows, and reduces every rank-1
+    gradient, by merged all-reduces (benchmarks/xla_tpu_probes/vectors.json; testbed.sim.xla.xla_tpu.
+    vector_gather_lowers): the fsdp all-gathers equal XLA:TPU's on every recorded plan (llama4k's norms, 16 and 64
+    elements a device; gpt2k-fsdp*-tensor*-sp's flat ``attn/bqkv``, 96), and every fsdp collective of the plans whose
+    other fsdp gradients stay reduce-scatters (over 4 of a v5e 4x4's chips, 8 of a v5p 4x4x4's)."""
+    rows = {r["plan"]: r for r in ROWS}
+    for name, row in rows.items():
+        mine, xla = (row[f"{side}_collectives"].get("fsdp all-gather") for side in ("predicted", "xla"))
+        assert mine == xla, name
+    for name in ("llama2k-fsdp4-tensor4-sp", "gpt2k-fsdp8-tensor8-sp"):
+        mine, xla = ({k: c for k, c in rows[name][f"{side}_collectives"].items() if k.startswith("fsdp ")}
+                     for side in ("predicted", "xla"))
+        assert mine == xla, name
+        assert mine["fsdp all-reduce"]["count"] == (2 if name.startswith("llama") else 3), name
 
 
 def test_collectives_equal_the_compiled_hlo_but_on_the_named_plans():

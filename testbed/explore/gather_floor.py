@@ -108,7 +108,7 @@ def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cos
         splits.add(own_blocks(cost.layers, cost.has_embedding, cost.has_head))
     args = {"matmul_bytes": matmul_b, "lowering": lowering}
     return [tuple(_paired(block_gathers(plan, s, c, kind, blocks, n, combine, param_b, **args),
-                          block_ops(plan, s, c, kind, blocks, n, combine, param_b, **args) if lowering.nbytes
+                          block_ops(plan, s, c, kind, blocks, n, combine, param_b, **args) if lowering.active
                           else None)
                   for kind, n in elements.items() if gathers_parameters(plan, kind)) for blocks in splits]
 

@@ -281,8 +281,8 @@ class StepPrices:
                                   select=True)[0] if early else 0.0
         each: tuple[Reduced, ...] = ()
         if chunk.bucket_sizes and pieces == len(chunk.bucket_sizes):
-            each = tuple(_summed([self._reduce(s, reduced.last * f, chunk.special(f, facts.reduce_bytes), n)
-                                  for f, n in chunk.bucket(pieces, k)]) for k in range(pieces))
+            each = tuple(_summed([self._reduce(s, reduced.last * f, chunk.special(f, facts.reduce_bytes), n, op=op)
+                                  for f, n, op in chunk.bucket(pieces, k)]) for k in range(pieces))
         elif chunk.reduction_collectives and chunk.reduction_collectives % pieces:
             own = {n: self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)
                    for n in {bucket_share(chunk.reduction_collectives, pieces, k) for k in range(pieces)}}
@@ -330,7 +330,7 @@ class StepPrices:
         each = chunk.reduced.each_microbatch
         op = self.facts.accumulate_op
         return tuple((max(1, m) * time(op, axes, s, each * f / max(1, m)), (op, axes, each * f / max(1, m)))
-                     for f, m in buckets)
+                     for f, m, _ in buckets)
 
     def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
         """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's
@@ -373,23 +373,24 @@ class StepPrices:
         return whole, ringed, work.chain
 
     def _reduce(self, stage: int, nbytes: float, special: tuple, leaves: float = 0.0,
-                tail: tuple[float, float] = (0.0, 0.0), select: bool | None = None) -> Reduced:
+                tail: tuple[float, float] = (0.0, 0.0), select: bool | None = None, op: str = "") -> Reduced:
         """One gradient bucket's reduction (testbed.sim.graph.program's ``_reduce``, by the facts' reductions): per
         parameter kind, a reduce-scatter over its reduction axes the optimizer state is sharded on (``leaves``
         collectives of the bucket when the parameters are sharded, a share of them per kind; 0: one), then an
         all-reduce over the rest (with ``tail``, ChunkFacts.tail, the token table's apart after a tensor
         all-gather; ``select``: testbed.sim.graph.grad_tasks.reduce_tasks'). Its seconds (those the compiler runs
         blocking held with the compute: step_rules.held_stream, but the sequence-replicated gradients' sum's, on their
-        own stream) and its collectives as barriers (testbed.sim.price.barriers), the first first. Memoized per step
-        (a chunk's alike buckets and blocks)."""
-        key = (stage, nbytes, special, leaves, tail, select)
+        own stream) and its collectives as barriers (testbed.sim.price.barriers), the first first; ``op``: the dense
+        reduce-scatter's op where the compiler makes it another (testbed.sim.graph.grad_tasks.reduce_tasks').
+        Memoized per step (a chunk's alike buckets and blocks)."""
+        key = (stage, nbytes, special, leaves, tail, select, op)
         hit = self._reduced.get(key)
         if hit is None:
-            hit = self._reduced[key] = self._reduce_of(stage, nbytes, special, leaves, tail, select)
+            hit = self._reduced[key] = self._reduce_of(stage, nbytes, special, leaves, tail, select, op)
         return hit
 
     def _reduce_of(self, stage: int, nbytes: float, special: tuple, leaves: float, tail: tuple[float, float],
-                   select: bool | None) -> Reduced:
+                   select: bool | None, op: str = "") -> Reduced:
         """:meth:`_reduce`, not memoized."""
         mesh, syncs, facts = self.facts.plan.mesh, [], self.facts
         times = {False: 0.0, True: 0.0}  # held with the compute or not -> seconds
@@ -407,7 +408,8 @@ class StepPrices:
             token = tail[0] if not (r.expert or r.sequence or r.sharded) and r.rest else 0.0
             if r.sharded:
                 n = max(1.0, leaves * size / nbytes) if leaves else 1.0
-                add(r.scatter_op, n * self.coll.time(r.scatter_op, r.sharded, stage, size / n), r.sharded, size / n)
+                scatter = op if op and not (r.expert or r.sequence) else r.scatter_op
+                add(scatter, n * self.coll.time(scatter, r.sharded, stage, size / n), r.sharded, size / n)
                 syncs.append((r.ways, n))
             if r.rest:
                 n_ar = allreduce_count(self.facts.reductions, leaves, size, nbytes, special[0], r.expert)

@@ -83,8 +83,8 @@ def priced_plays(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, 
                     seconds.append(x if held else 0.0)
                     nbytes = 0.0 if held else x
                 else:
-                    reduced = [step._reduce(s, chunk.reduced.last * f, chunk.special(f, facts.reduce_bytes), n)
-                               for f, n in chunk.bucket(pieces, j)[lo:hi]]
+                    reduced = [step._reduce(s, chunk.reduced.last * f, chunk.special(f, facts.reduce_bytes), n, op=op)
+                               for f, n, op in chunk.bucket(pieces, j)[lo:hi]]
                     seconds.append(sum(r.held for r in reduced))
                     nbytes = sum(r.seconds for r in reduced)
             buckets.append(nbytes)

@@ -1,6 +1,6 @@
 """An fsdp action's blocks: how a chunk's pieces (the embedding, each layer, the head) group into the blocks an
-action gathers, computes and reduce-scatters one after another, and each block's collectives at their real merged
-sizes.
+action gathers, computes and reduce-scatters one after another, and each block's gathers at their real merged
+sizes (its reduce-scatters: testbed.model.block_scatters).
 
 The runner (testbed.runner.param_shards.ParamShards) gathers, computes and reduce-scatters each piece of a JAX
 program as a unit of its own; XLA's combiners merge the collectives of consecutive pieces
@@ -20,8 +20,8 @@ from testbed.model.leaves import (backward_groups as backward_merges_members, ba
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
-__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_ops", "block_scatters", "scatter_reads", "scatter_early",
-           "scatter_cuts", "gather_holds", "span_leaves", "narrowed", "PIECE_PARTS", "SHARE_QUANTUM"]
+__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_ops", "gather_holds", "span_leaves", "narrowed",
+           "PIECE_PARTS", "SHARE_QUANTUM"]
 
 #: One mesh per (stage, tensor, expert, expert_tensor) degrees: the memoized merges below read no other field of the
 #: mesh, so plans whose meshes differ only in data, fsdp, context, order or tile share their entries.
@@ -166,6 +166,9 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
              * (matmul_bytes if matmul_bytes and narrowed(q, what, kind) else bytes_per_element)
              for _, _, q, what, _ in walk]
     groups: list[tuple[float, int, tuple[int, ...]]] = []  # (bytes, block, members' walk indices)
+    # The gathers the compiler lowers as all-reduces one by one, before its all-gather combiner merges the rest.
+    alone = frozenset(i for i, (_, _, q, *_) in enumerate(walk)
+                      if lowering.lanes and _misaligned(q, mesh, ways, lowering.lanes))
     if kind != "F" and not math.isinf(combine_bytes):
         each: dict[int, list[float]] = {}  # each piece's leaves' sizes, in walk order
         for (_, i, *_), n in zip(walk, sizes):
@@ -174,12 +177,12 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
         head = any(what == "head" for _, what, _ in held)
         waits = backward_waits(len(backward) - int(head), head)
         groups = [(size, backward[k][0], members) for size, k, members in
-                  backward_merges_members([n for _, n in backward], combine_bytes, waits)]
+                  backward_merges_members([n for _, n in backward], combine_bytes, waits, alone)]
     else:
         run: list | None = None  # the open merge: [bytes, block, members, key, its index]
         for i, ((block, *_), size) in enumerate(zip(walk, sizes)):
             key = block if math.isinf(combine_bytes) else 0  # what merges: the whole chunk; a block, unbounded
-            if size > combine_bytes:
+            if size > combine_bytes or i in alone:
                 groups.append((size, block, (i,)))  # combined_sizes' rule: alone, the open merge goes on
             elif run is not None and run[3] == key and run[0] + size <= combine_bytes:
                 run[0], run[2] = run[0] + size, run[2] + (i,)
@@ -188,8 +191,9 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
                 run = [size, block, (i,), key, len(groups)]
                 groups.append((size, block, (i,)))
     ops = ["all_gather"] * len(groups)
-    if lowering.nbytes:
-        groups, ops = _lowered(groups, walk, kind, lowering)
+    if lowering.active:
+        vectors = frozenset(k for k, (_, _, members) in enumerate(groups) if members[0] in alone)
+        groups, ops = _lowered(groups, walk, kind, lowering, vectors)
     out: list[list] = [[] for _ in range(blocks)]
     for (size, block, members), op in sorted(zip(groups, ops), key=lambda g: g[0][2][0 if g[1] == "all_reduce" else -1]):
         out[block].append((size, frozenset((walk[i][0], walk[i][2].path[0]) for i in members), op))
@@ -205,15 +209,28 @@ def _phased(piece, kind: str, recompute: bool) -> list[tuple[int, layout.ParamSp
     return [(int(k >= again), q) for k, q in enumerate(backward_walk(piece, recompute))]
 
 
-def _lowered(groups: list, walk: list, kind: str, lowering: Lowering) -> tuple[list, list[str]]:
-    """``groups`` (bytes, block, members) with those ``lowering`` lowers merged into all-reduces (the block of their
-    first member), and each one's op (testbed.model.gather_lowering)."""
+def _misaligned(q: layout.ParamSpec, mesh: MeshSpec, ways: int, lanes: int) -> bool:
+    """Whether ``q`` is gathered ``ways`` ways as a rank-1 buffer (a rank-1 leaf, or one held flat and padded:
+    ParamSpec.padded) whose shard per device is not a whole number of ``lanes`` elements: the vectors
+    testbed.sim.xla.xla_tpu.vector_gather_lowers gathers by an all-reduce."""
+    args = (mesh.tensor, ways, mesh.expert, mesh.expert_tensor)
+    if ways < 2 or not (len(q.shape) == 1 or q.padded(*args)):
+        return False
+    return q.device_elements(*args) % lanes != 0
+
+
+def _lowered(groups: list, walk: list, kind: str, lowering: Lowering,
+             vectors: frozenset[int] = frozenset()) -> tuple[list, list[str]]:
+    """``groups`` (bytes, block, members) with those ``lowering`` lowers (by size, and ``vectors``: the rank-1
+    leaves' gathers it lowers) merged into all-reduces (the block of their first member), and each one's op
+    (testbed.model.gather_lowering)."""
     if kind == "F":
         segments = [0] * len(groups)
     else:
         segments = backward_segments([(walk[m[0]][3] == "head", (walk[m[0]][1], walk[m[0]][4]))
                                       for _, _, m in groups])
-    lowered, merges = lowered_merges([g[0] for g in groups], segments, lowering.nbytes, lowering.allreduce_bytes)
+    lowered, merges = lowered_merges([g[0] for g in groups], segments, lowering.nbytes, lowering.allreduce_bytes,
+                                     vectors)
     kept = [g for i, g in enumerate(groups) if i not in lowered]
     merged = [(m.nbytes, groups[m.members[0]][1], tuple(sorted(x for i in m.members for x in groups[i][2])))
               for m in merges]
@@ -286,190 +303,7 @@ def _with_rest(out: list[list[float]], total: float, last: int, reverse: bool) -
     return tuple(tuple(sizes) for sizes in (reversed(out) if reverse else out))
 
 
-def block_scatters(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
-                   bytes_per_element: float = 4.0) -> tuple[tuple[float, ...], ...]:
-    """Per block of a chunk's backward (from the head, :func:`block_pieces`), each reduce-scatter its gradients
-    are, as a share of the chunk's gradient elements: the pieces' leaves from the head, each piece's in
-    :func:`issue_order`, merged within ``combine_bytes`` by :func:`combined_sizes`' rule across pieces (XLA's
-    combiner: nothing reads a reduce-scatter before the optimizer, so none reaches another), a merge in the
-    block of its last leaf, whose gradients end it (unbounded: one per block). The gradient buckets at their real
-    merged sizes, where equal shares of the chunk's would price the head's large table as a layer's share and
-    split it into equal collectives."""
-    return _block_scatters(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
-                           state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                           bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
-                    chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool = False
-                    ) -> tuple[tuple[float, ...], ...]:
-    """:func:`block_scatters` from what it depends on (``apart``: sequence parallelism over tensor ranks)."""
-    merges = _scatter_merges(spec, mesh, v, stage_layers, ways, stage, chunk, blocks, combine_bytes,
-                             bytes_per_element, apart)
-    return _exact_shares(tuple(tuple(size for size, *_ in block) for block in merges))
-
-
-def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
-                  bytes_per_element: float = 4.0) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Per block of a chunk's backward (as :func:`block_scatters`), per merged reduce-scatter, the blocks (backward
-    order) whose weight gradients it reads: those of its members but the tensor-replicated ones under sequence
-    parallelism, which it reads from the backward's one merged all-reduce over tensor (:func:`_scatter_walk`).
-    XLA issues a reduce-scatter as soon as its operands are ready, so a merge the backward's end holds leaves once
-    the weight gradients of its own blocks are computed, not after every block's (testbed.sim.step.span_order); a merge
-    XLA's combiner made is one collective reading every member's operand (xla/service/reduce_scatter_combiner.h:
-    "combines small non-dependent ReduceScatter ops"), so where all of a small model's gradients fit one merge it
-    waits for every layer's weight gradients."""
-    merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
-                             state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
-    return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read, *_ in block) for block in merges)
-
-
-def scatter_early(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
-                  bytes_per_element: float = 4.0) -> tuple[tuple[float, ...], ...]:
-    """Per block of a chunk's backward (as :func:`scatter_reads`), per merged reduce-scatter, the share of its
-    block's weight-gradient matmuls it reads where it leaves before the block's input gradients, else 0.
-
-    A layer's backward starts with its MLP's output projection (``mlp/w2``), whose weight gradient reads only the
-    layer's incoming cotangent and a saved activation: JAX's transpose of that matmul emits the weight gradient
-    first, and where XLA's combiner closes a merge on that gradient alone (the next leaf does not fit the combine
-    bound: d_model 2048 at tensor 1 or 2) the reduce-scatter is ready at once, so XLA's scheduler computes that
-    weight gradient and starts its reduce-scatter before the layer's input gradients (the traced TPU fsdp x tensor
-    2 sequence parallel bf16 d_model 2048 step: the last layer's ``w2`` gradient, a third of its weight-gradient
-    matmuls, at the layer's start), not with the weight gradients held to its end. Only where all-gathers are a
-    scheduler resource of their own (testbed.sim.step.facts.step_facts' ``chained_gathers``): the input gradient
-    waits for the layer's re-gathered weights, which arrive one gather after another; where they do not (the
-    superpod's traced step) the weight gradient follows the layer's input gradients."""
-    merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
-                             state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
-    return tuple(tuple(early for _, _, early, _ in block) for block in merges)
-
-
-def scatter_cuts(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
-                 bytes_per_element: float = 4.0) -> tuple[tuple[tuple[float, ...], ...], ...]:
-    """Per block of a chunk's backward (as :func:`scatter_reads`), per merged reduce-scatter, for each block it
-    reads (:func:`scatter_reads`' order) the share of that block's weight-gradient matmuls (its matrices'
-    elements) among the merge's members.
-
-    A merge reads only its members' weight gradients, so XLA's scheduler, which starts a reduce-scatter once its
-    operands are ready, computes a merge's weight-gradient matmuls and starts it before the block's other weight
-    gradients: the traced layer cuts its weight gradients by the merges that read them (testbed.sim.step.span_order),
-    not all of them before its first merge leaves."""
-    merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
-                             state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
-    return tuple(tuple(tuple(dict(cuts).get(b, 0.0) for b in sorted(read, reverse=True)) for _, read, _, cuts in block)
-                 for block in merges)
-
-
-#: The leaves whose weight gradients read only their layer's incoming cotangent (:func:`scatter_early`).
-_COTANGENT_ONLY = (("mlp", "w2"), ("mlp", "b2"))
-
-
-def _cut_shares(members: list, matrices: dict[int, int]) -> tuple[tuple[int, float], ...]:
-    """(forward-order block, its share of that block's weight-gradient matmuls) of a merge's ``members`` ((walk
-    index, leaf, block, what)), the tensor-replicated (``late``) ones aside (:func:`scatter_cuts`)."""
-    own: dict[int, int] = {}
-    for _, q, block, what in members:
-        if what != "late" and len(q.shape) >= 2:
-            own[block] = own.get(block, 0) + math.prod(q.shape)
-    return tuple(sorted((block, n / matrices[block]) for block, n in own.items() if matrices.get(block)))
-
-
-def _early_share(members: list, first: dict[int, int], matrices: dict[int, int]) -> float:
-    """The share of its block's weight-gradient matmuls of a merge's ``members`` ((walk index, leaf, block, what))
-    where they are their layer's first leaves and only the output projection's (:func:`scatter_early`), else 0."""
-    blocks = {block for _, _, block, _ in members}
-    if len(blocks) != 1 or members[0][0] != first[members[0][2]] or any(
-            what != "layer" or q.path[-2:] not in _COTANGENT_ONLY for _, q, _, what in members):
-        return 0.0
-    own = sum(math.prod(q.shape) for _, q, _, _ in members if len(q.shape) >= 2)
-    return own / matrices[members[0][2]] if matrices.get(members[0][2]) else 0.0
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
-                    chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool
-                    ) -> tuple[tuple[tuple[float, frozenset[int], float, tuple[tuple[int, float], ...]], ...], ...]:
-    """Per block of a chunk's backward (from the head), each merged reduce-scatter as (bytes, the forward-order
-    blocks of the members it reads but the tensor-replicated ones, :func:`scatter_early`'s share,
-    :func:`scatter_cuts`' shares per forward-order block): :func:`block_scatters`' merges."""
-    merged: list[list[list]] = [[] for _ in range(blocks)]
-    group: list | None = None  # the open merge: [bytes, block of its last member, its index, late, blocks read]
-    groups: list[list] = []
-    ended = 1 << 30  # past every leaf: where the merges that wait for the backward's end are issued
-    pieces = _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
-    kinds = {block: what for block, what, _ in pieces}
-    matrices = {block: sum(math.prod(q.shape) for q in params if len(q.shape) >= 2) for block, _, params in pieces}
-    walk = _scatter_walk(pieces, apart and not math.isinf(combine_bytes))
-    first: dict[int, int] = {}
-    for i, (q, block, late) in enumerate(walk):
-        first.setdefault(block, i)
-        size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
-        read, member = frozenset(() if late else (block,)), (i, q, block, "late" if late else kinds[block])
-        if math.isinf(combine_bytes) or size > combine_bytes:
-            groups.append([size, block, i, late, read, [member]])  # unbounded: one per block (summed); over: alone
-        elif group is not None and group[0] + size <= combine_bytes:
-            group[:] = group[0] + size, block, i, group[3] or late, group[4] | read, group[5] + [member]
-        else:
-            group = [size, block, i, late, read, [member]]
-            groups.append(group)
-    # A merged collective is issued once its last member is (XLA's combiner puts it after all its operands); one
-    # holding a tensor-replicated gradient reads the merged all-reduce of the backward's last layer: it is issued
-    # in the backward's last block, after the others (after its tensor collectives: testbed.sim.graph.grad_tasks).
-    for g in groups:
-        if g[3]:
-            g[1], g[2] = 0, ended + g[2]
-    for size, block, _, _, read, members in sorted(groups, key=lambda g: g[2]):
-        if math.isinf(combine_bytes) and merged[block]:
-            merged[block][0][0] += size
-            merged[block][0][1] |= read
-            merged[block][0][3] += members
-        else:
-            early = 0.0 if math.isinf(combine_bytes) else _early_share(members, first, matrices)
-            merged[block].append([size, read, early, list(members)])
-    return tuple(tuple((size, frozenset(read), early, _cut_shares(members, matrices))
-                       for size, read, early, members in block) for block in reversed(merged))
-
-
-def _scatter_walk(pieces: list[tuple[int, str, list]], apart: bool) -> list[tuple]:
-    """(leaf, block, late) of a chunk's gradients in the order XLA's reduce-scatter combiner walks them: the pieces
-    from the head, each piece's leaves as its transposed gathers issue them (reversed :func:`issue_order`).
-
-    ``apart`` (sequence parallelism over tensor ranks, merges bounded): a tensor-replicated gradient (``late``: a
-    norm's, a bias of a row-parallel matmul; not the position table's, whose sequence-sharded gradient is
-    gathered over the ranks) is reduce-scattered from its sum over the tensor ranks. XLA's all-reduce combiner
-    (which runs first) merges the whole backward's sums into one all-reduce, which the last piece holding such
-    a gradient issues before its reduce-scatters: the earlier pieces' are walked there, at that piece's start,
-    in its block (the traced program's merges, testbed.sim.xla.combine; one for one in
-    tests/test_program_vs_plan.py)."""
-    walk = [(q, block, apart and what != "embedding" and q.tensor_dim is None and not q.is_expert)
-            for block, what, params in reversed(pieces) for q in reversed(issue_order(params))]
-    if not any(late for _, _, late in walk):
-        return walk
-    last = max(i for i, (_, _, late) in enumerate(walk) if late)
-    start = next(i for i, (_, block, _) in enumerate(walk) if block == walk[last][1])
-    held = [(q, walk[start][1], True) for q, _, late in walk[:start] if late]
-    return [w for w in walk[:start] if not w[2]] + held + walk[start:]
-
-
 #: Shares of a chunk's gradients are multiples of this (a power of two): a whole number of bytes (below 2^37) times
 #: each is exact in floating point, so the buckets' bytes sum to the chunk's exactly (bytes per axis compared to the
 #: byte); a share is then within 8e-6 of its block's.
 SHARE_QUANTUM = 2.0 ** -16
-
-
-def _exact_shares(sizes: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
-    """``sizes`` (bytes per merged collective, per block) as shares of their sum, each a multiple of
-    :data:`SHARE_QUANTUM`, the last taking what the others leave so that they sum to 1 exactly."""
-    total = sum(map(sum, sizes)) or 1.0
-    flat = [max(1, round(n / total / SHARE_QUANTUM)) * SHARE_QUANTUM for block in sizes for n in block]
-    if flat:
-        flat[-1] = 1.0 - sum(flat[:-1])
-    out, k = [], 0
-    for block in sizes:
-        out.append(tuple(flat[k:k + len(block)]))
-        k += len(block)
-    return tuple(out)

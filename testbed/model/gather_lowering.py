@@ -34,10 +34,18 @@ from typing import Hashable, NamedTuple
 
 class Lowering(NamedTuple):
     """What a compiler lowers of an action's parameter gathers: each of at most ``nbytes`` (gathered bytes per
-    device; 0: none) an all-reduce, merged within ``allreduce_bytes`` (its all-reduce combiner's bound)."""
+    device; 0: none) an all-reduce, and each of a rank-1 leaf whose shard per device is not a whole number of
+    ``lanes`` elements (0: none; testbed.sim.xla.xla_tpu.vector_gather_lowers), merged within ``allreduce_bytes``
+    (its all-reduce combiner's bound)."""
 
     nbytes: float = 0.0
     allreduce_bytes: float = math.inf
+    lanes: int = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether any gather is lowered."""
+        return bool(self.nbytes or self.lanes)
 
 
 #: No gather lowered (every compiler but XLA:TPU over a whole slice).
@@ -59,12 +67,13 @@ class LoweredMerge(NamedTuple):
 
 
 def lowered_merges(sizes: list[float], segments: list[int], lowered_bytes: float,
-                   allreduce_bytes: float) -> tuple[set[int], list[LoweredMerge]]:
+                   allreduce_bytes: float, vectors: frozenset[int] = frozenset()) -> tuple[set[int], list[LoweredMerge]]:
     """(the gathers lowered, their merged all-reduces) of an action's gathers ``sizes`` (bytes each, in issue
     order) where ``segments[i]`` is what gather ``i`` may merge with (module docstring: one for the forward; the
-    head's, then a pair of sets each, for the backward): each gather of at most ``lowered_bytes`` an all-reduce,
-    merged with the open merge of its segment while within ``allreduce_bytes`` (over it: alone)."""
-    lowered = {i for i, n in enumerate(sizes) if lowers(n, Lowering(lowered_bytes, allreduce_bytes))}
+    head's, then a pair of sets each, for the backward): each gather of at most ``lowered_bytes``, and each of
+    ``vectors`` (rank-1 leaves :class:`Lowering`'s ``lanes`` lowers), an all-reduce, merged with the open merge of
+    its segment while within ``allreduce_bytes`` (over it: alone)."""
+    lowered = {i for i, n in enumerate(sizes) if i in vectors or lowers(n, Lowering(lowered_bytes, allreduce_bytes))}
     merges: list[LoweredMerge] = []
     open_: dict[int, int] = {}  # segment -> index of its open merge in ``merges``
     for i in sorted(lowered):

@@ -202,17 +202,18 @@ def backward_merges(pieces: list[tuple[float, ...]], combine_bytes: float, waits
     return [(size, k) for size, k, _ in backward_groups(pieces, combine_bytes, waits)]
 
 
-def backward_groups(pieces: list[tuple[float, ...]], combine_bytes: float, waits: tuple[int, ...] | None = None
-                    ) -> list[tuple[float, int, tuple[int, ...]]]:
+def backward_groups(pieces: list[tuple[float, ...]], combine_bytes: float, waits: tuple[int, ...] | None = None,
+                    alone: frozenset[int] = frozenset()) -> list[tuple[float, int, tuple[int, ...]]]:
     """:func:`backward_merges` with each merge's members: (bytes, piece, the members' indices in the walk of every
-    piece's leaves one after another), in the order the merges open."""
+    piece's leaves one after another), in the order the merges open; those of ``alone`` (walk indices: gathers the
+    compiler makes another collective, testbed.model.gather_lowering) each alone, as one over the bound."""
     waits = tuple(max(-1, k - 2) for k in range(len(pieces))) if waits is None else waits
     out: list[list] = []
     group: list | None = None  # [bytes, first piece, members]
     t = 0
     for k, sizes in enumerate(pieces):
         for size in sizes:
-            if size > combine_bytes:
+            if size > combine_bytes or t in alone:
                 out.append([size, k, [t]])
             elif group is not None and group[1] > waits[k] and group[0] + size <= combine_bytes:
                 group[0] += size

@@ -187,6 +187,15 @@ class _Reader:
             nodes.append(node)
         return Block(args=args, nodes=nodes, yields=yields, size=size)
 
+    def vector_shard(self, kind: str, operands: list, results: list) -> int:
+        """Elements per device of the shard a collective of rank-1 buffers moves (an all-gather's operand, a
+        reduce-scatter's result, one dim of which is wider than 1 on a device; 0: not rank-1, or another kind):
+        what XLA:TPU lowers as all-reduces (testbed.sim.xla.xla_tpu.vector_gather_lowers)."""
+        value = operands[0] if kind == "all-gather" else results[0] if kind == "reduce-scatter" else None
+        shape = self.shape.get(value, ((), 0))[0] if value is not None else ()
+        wide = [d for d in shape if d > 1]  # a tensor-split dim of one row a device leaves a rank-1 buffer
+        return int(wide[0]) if len(wide) == 1 else 0
+
     def node(self, op: Any, name: str) -> Node:
         from testbed.runner import reshards
 
@@ -203,8 +212,9 @@ class _Reader:
             channel = None if name in reshards.KINDS else int(handle.group(1)) if handle else 0
             reducer = tuple(inner.operation.name for region in op.regions for b in region.blocks
                             for inner in b.operations)
+            vector = self.vector_shard(kind, operands, results)  # a rank-1 buffer's shard (XLA:TPU's rules)
             return Node(kind="collective", name=name, operands=operands, results=results,
-                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes, element),
+                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes, element, vector),
                         writes=[self.nbytes(r) for r in results], channel=channel, reducer=reducer)
         if name in LOCAL_SLICES:  # its results are sharded as its out_sharding says (no sdy.sharding attribute)
             self.define(results, [str(attrs["out_sharding"])] * len(results))
@@ -221,8 +231,7 @@ class _Reader:
             branches = [self.block(r.blocks[0]) for r in op.regions]
             return Node(kind="case", name=name, operands=operands, results=results, blocks=branches)
         if name == "sdy.manual_computation" or name == "sdy.named_computation":
-            # A shard_map body is local along its manual axes; the other (free) axes of its operands'
-            # shardings still split its values.
+            # A shard_map body is local along its manual axes; its operands' free axes still split its values.
             manual = frozenset(re.findall(r'"([^"]+)"', str(op.attributes["manual_axes"]))
                                if "manual_axes" in op.attributes else ())
             if "out_shardings" in op.attributes:  # its results are global, sharded as it says

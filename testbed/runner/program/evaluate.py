@@ -142,11 +142,11 @@ class _Emitter:
             for r, v in zip(node.results, self.computed[key][1]):
                 self.env[r] = v
             return
-        op, axes, group, nbytes, element = node.collective
+        op, axes, group, nbytes, element, vector = node.collective
         ids = self.add(TracedOp(name=f"{op} {'+'.join(axes) or '-'}", kind=OpKind.COLLECTIVE,
                                 deps=tuple(sorted(self.deps(node.operands))), collective=op, axes=tuple(axes),
                                 group=group, nbytes=float(nbytes), element=element, count=self.count,
-                                iteration=self.scope))
+                                iteration=self.scope, vector=vector))
         out = [_Val(ids, True, w) for w in node.writes]
         for r, v in zip(node.results, out):
             self.env[r] = v

@@ -29,12 +29,14 @@ class GradBucket(NamedTuple):
     label: str
     leaves: int
     tail: tuple[float, float] = (0.0, 0.0)
+    #: The op its dense reduce-scatter compiles to where another (ChunkFacts.bucket's BucketMerge.op; empty: none).
+    op: str = ""
 
 
 def grad_bucket(chunk: ChunkFacts, share: float, reduce_bytes: float, label: str, leaves: int,
-                tail: tuple[float, float] = (0.0, 0.0)) -> GradBucket:
-    """The bucket of ``share`` of ``chunk``'s gradients, reduced in ``reduce_bytes`` per value."""
-    return GradBucket(chunk.reduced.last * share, chunk.special(share, reduce_bytes), label, leaves, tail)
+                tail: tuple[float, float] = (0.0, 0.0), op: str = "") -> GradBucket:
+    """The bucket of ``share`` of ``chunk``'s gradients, reduced in ``reduce_bytes`` per value (``op``: GradBucket's)."""
+    return GradBucket(chunk.reduced.last * share, chunk.special(share, reduce_bytes), label, leaves, tail, op)
 
 
 class GradPlay:
@@ -53,9 +55,9 @@ class GradPlay:
         """Bucket ``k`` of ``pieces``, its share of the chunk's gradients (ChunkFacts.bucket), after ``last``:
         reduced while the backward continues when they accumulate sharded, else once the stage's backward is done;
         ``tail``: only after the action's tensor collectives (step_rules.first_tail_bucket)."""
-        for fraction, count in chunk.bucket(pieces, k):
+        for fraction, count, op in chunk.bucket(pieces, k):
             bucket_of = grad_bucket(chunk, fraction, self.facts.reduce_bytes, label if pieces == 1 else f"{label}/{k}",
-                                    count, chunk.tail if pieces == 1 else (0.0, 0.0))
+                                    count, chunk.tail if pieces == 1 else (0.0, 0.0), op)
             if tail:
                 self.tail.append(bucket_of)
             else:
@@ -72,7 +74,7 @@ class GradPlay:
     def _accumulate(self, s: int, chunk: ChunkFacts, label: str, after: int, buckets) -> None:
         """An earlier microbatch's ``buckets`` (ChunkFacts.bucket of one block) reduce-scattered into the sharded
         accumulator once ``after`` is done: in a loop XLA keeps, bucket by bucket as the backward makes them."""
-        for fraction, count in buckets:
+        for fraction, count, _ in buckets:
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, after, fraction, count))
 
     def _scatter(self, s: int, chunk: ChunkFacts, label: str, last: int, fraction: float = 1.0,
@@ -87,13 +89,13 @@ class GradPlay:
                           group=rep_group(groups, rep), instances=groups)
 
     def _reduce(self, s: int, after: int, nbytes: float, special: tuple[float, float], label: str,
-                leaves: int, tail: tuple[float, float] = (0.0, 0.0), loss: float = 0.0) -> list[int]:
+                leaves: int, tail: tuple[float, float] = (0.0, 0.0), op: str = "", loss: float = 0.0) -> list[int]:
         """One bucket's gradient reduction tasks (testbed.sim.graph.grad_tasks.reduce_tasks; ``tail``: ChunkFacts.tail),
         but the sequence-replicated parameters' where they left at the backward's end
         (testbed.sim.step.step_rules.sequence_apart); returns the last one(s)."""
         return reduce_tasks(self.b, self.facts.reductions, self.groups, self.plan, s, self.reps[s], after, nbytes,
                             special, label, leaves, tail, select=False if sequence_apart(self.facts) else None,
-                            loss=loss)
+                            loss=loss, op=op)
 
     def reduce_kept(self, s: int) -> None:
         """The replicas' one reduction of the buckets kept for stage ``s``'s update, after its last action (the loss's

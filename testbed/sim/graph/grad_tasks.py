@@ -60,7 +60,7 @@ def allreduce_count(reductions: tuple, leaves: float, size: float, nbytes: float
 
 def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int, rep: int, after: int, nbytes: float,
                  special: tuple[float, float], label: str, leaves: int, tail: tuple[float, float] = (0.0, 0.0),
-                 select: bool | None = None, stream: str = "grad", loss: float = 0.0) -> list[int]:
+                 select: bool | None = None, stream: str = "grad", loss: float = 0.0, op: str = "") -> list[int]:
     """Gradient reduction tasks of one bucket of ``nbytes`` of stage ``s`` (representative ``rep``), after task
     ``after``; returns the last task of each parameter kind. ``special``: those of the bytes that are routed
     experts' weights and sequence-replicated parameters' (ChunkFacts.special); ``leaves``: the collectives the
@@ -68,7 +68,9 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
     ``groups``: the graph's memo of groups by axes; ``tail``: the token table's bytes summed after the rest of the
     dense ones and the tensor all-gather between (ChunkFacts.tail); ``select``: only the sequence-replicated
     parameters' reduction (True), all but it (False), or all (None), on ``stream``; ``loss``: the loss's bytes the
-    dense parameters' all-reduce carries besides (testbed.plan.sharding.loss_merged).
+    dense parameters' all-reduce carries besides (testbed.plan.sharding.loss_merged); ``op``: the collective the
+    dense parameters' reduce-scatter compiles to where another (XLA:TPU's rank-1 gradients' all-reduce,
+    testbed.model.block_scatters.scatter_ops; empty: Reduction.scatter_op).
 
     Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
     data, fsdp, expert and context, routed experts' over those but expert): a reduce-scatter over those of
@@ -85,10 +87,11 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
             g = axis_groups_cached(groups, plan, list(r.sharded), s)
             # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).
             n = max(1, round(leaves * size / nbytes)) if leaves else 1
+            scatter = op if op and not (r.expert or r.sequence) else r.scatter_op
             # The loss rides in a whole slice's all-reduce of the dense gradients (testbed.sim.xla.xla_tpu.merges_loss).
             merged = loss if r.scatter_op == "all_reduce" and not (r.expert or r.sequence or r.rest) else 0.0
-            last = b.add(name=f"{r.scatter_op} {label}{kind}", device=rep, stream=stream,
-                         kind=TaskKind.COLLECTIVE, deps=(last,), op=r.scatter_op, nbytes=(size + merged) / n, count=n,
+            last = b.add(name=f"{scatter} {label}{kind}", device=rep, stream=stream,
+                         kind=TaskKind.COLLECTIVE, deps=(last,), op=scatter, nbytes=(size + merged) / n, count=n,
                          group=rep_group(g, rep), instances=g)
         token = tail[0] if not (r.expert or r.sequence or r.sharded) else 0.0
         extra = loss if not (r.expert or r.sequence or r.sharded) else 0.0

@@ -104,7 +104,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                   allreduce_bytes: float | None = None, fused_updates: bool = False,
                   whole_slice_scatters: bool = False, recompute_gathers: bool = False,
                   narrowed_gathers: bool = False, gather_allreduce: float = 0.0,
-                  held: frozenset[str] = frozenset()) -> Program:
+                  held: frozenset[str] = frozenset(), vector_lanes: int = 0) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
@@ -119,13 +119,13 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         native_reductions: the compiler reduces bf16 in bf16 (testbed.topology.DeviceSpec.native_reductions).
         allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
         fused_updates: the compiler fuses updates into the weight gradients (DeviceSpec.fused_updates).
-        whole_slice_scatters, recompute_gathers, narrowed_gathers, gather_allreduce: XLA:TPU's collective rules
-            (testbed.sim.xla.xla_tpu; step_facts).
+        whole_slice_scatters, recompute_gathers, narrowed_gathers, gather_allreduce, vector_lanes: XLA:TPU's
+            collective rules (testbed.sim.xla.xla_tpu; step_facts).
         held: the collective kinds played in program order with the compute (DeviceSpec.held_collectives).
     """
     return program_of(step_facts(plan, placement.device_ids, combine_bytes, schedule, chained_gathers,
                                  native_reductions, allreduce_bytes, fused_updates, whole_slice_scatters,
-                                 recompute_gathers, narrowed_gathers, gather_allreduce, held), placement,
+                                 recompute_gathers, narrowed_gathers, gather_allreduce, held, vector_lanes), placement,
                       controller=controller, serial=serial)
 
 
@@ -362,19 +362,26 @@ class _Graph(SpanPlay, GradPlay):
         action's; ``ends`` this action's blocks so far). Returns the last (None: the block's leaves were merged
         into an earlier block's collective); ``merge_tasks``: each merge's task (testbed.sim.graph.span_play waits for
         the merges a span reads). ``cotangent``: a task the gathers wait for too (the head's summed input
-        gradient, for the unlinked last layer's backward gather: testbed.sim.step.span_order.cotangent_block)."""
+        gradient, for the unlinked last layer's backward gather: testbed.sim.step.span_order.cotangent_block). The
+        gathers the compiler lowers as all-reduces (ChunkFacts.gather_ops) chain apart from the all-gathers: XLA issues
+        each once its parameter is ready, and an all-reduce is not on the all-gathers' resource."""
         rep, freed = self.reps[s], gather_after(k, self.facts.prefetch, ends, self.blocks_done.get(s, []))
         after = ((freed,) if freed is not None else ()) + ((cotangent,) if cotangent is not None else ())
-        last = None
+        last: dict[bool, int] = {}  # the all-gathers' chain and the lowered all-reduces', apart
         self.merge_tasks = []
         for (size, op), run in itertools.groupby(zip(chunk.gather_sizes(kind)[k], chunk.gather_ops(kind)[k])):
             count = len(list(run))  # op: all_reduce where the compiler lowers the gather (ChunkFacts.gather_ops)
-            last = self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
-                              op=op, deps=(*after, *self.iteration) if last is None else (last,),
-                              nbytes=size, count=count,
-                              group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
-            self.merge_tasks += [last] * count
-        return last
+            # A lowered gather is an all-reduce, not on the all-gathers' resource: neither waits for the other.
+            chain = op == "all_gather"
+            last[chain] = self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
+                                     op=op, deps=(*after, *self.iteration) if chain not in last else (last[chain],),
+                                     nbytes=size, count=count,
+                                     group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
+            self.merge_tasks += [last[chain]] * count
+        if len(last) == 2:  # the block waits for both: an empty join of the two chains on the compute stream
+            last[True] = self.b.add(name=f"{name} gathered", device=rep, stream="compute",
+                                    kind=TaskKind.COMPUTE, deps=(last[True], last[False]))
+        return last.get(True, last.get(False))
 
     def _chain(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], buckets: int) -> int:
         """An MoE action under expert parallelism: its per-layer chain (testbed.sim.step.moe; the all-to-alls on the

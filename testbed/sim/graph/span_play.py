@@ -129,8 +129,8 @@ class SpanPlay:
 
     def _span_buckets(self, s: int, chunk: ChunkFacts, label: str, after: int, k: int, buckets) -> None:
         """Block ``k``'s gradient ``buckets`` (ChunkFacts.bucket), reduced after ``after``."""
-        for fraction, count in buckets:
-            self._bucket(s, after, grad_bucket(chunk, fraction, self.facts.reduce_bytes, f"{label}/{k}", count))
+        for fraction, count, op in buckets:
+            self._bucket(s, after, grad_bucket(chunk, fraction, self.facts.reduce_bytes, f"{label}/{k}", count, op=op))
 
     def _span(self, s: int, chunk: ChunkFacts, name: str, flops: float, gemms, matmuls: BlockWork, nbytes: float,
               deps: list[int], passes: float = 0.0) -> int:

@@ -27,7 +27,7 @@ from testbed.sim.graph.tasks import Program, TaskKind
 from testbed.sim.report.timeline import Report, Timeline
 from testbed.sim.graph.traced_graph import collective_bytes, convert_bytes, mesh_groups, repeat_gemm, workload_program
 from testbed.sim.xla.workload import OpKind, Workload, element_bytes
-from testbed.sim.xla.xla_tpu import lowered_gathers, lowered_scatters, scatters_as_allreduce
+from testbed.sim.xla.xla_tpu import lowered_gathers, lowered_scatters, lowers_vectors, scatters_as_allreduce
 from testbed.topology import Topology
 
 #: The task graph's names (testbed.sim.graph.traced_graph) are importable from here too: this is the traced tier's API.
@@ -154,7 +154,8 @@ def compiled_collectives(workload: Workload, topology: Topology) -> Workload:
     """``workload``'s collectives as the topology's compiler moves them, before its combiners merge them: in its
     element type (:func:`device_collectives`), a whole slice's reduce-scatters and XLA:TPU's all-gathers lowered
     (testbed.sim.xla.xla_tpu.lowered_scatters, lowered_gathers). The first step of :func:`simulate_workload`."""
-    moved = lowered_scatters(device_collectives(workload, topology), scatters_as_allreduce(topology))
+    moved = lowered_scatters(device_collectives(workload, topology), scatters_as_allreduce(topology),
+                             lowers_vectors(topology))
     return lowered_gathers(moved, topology)
 
 

@@ -16,8 +16,8 @@ from testbed.model.costs import ChunkCost
 from testbed.model.gather_lowering import NO_LOWERING, Lowering
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_params, held_elements
-from testbed.model.blocks import (block_gathers, block_ops, block_scatters, gather_holds, own_blocks, scatter_cuts,
-                                  scatter_early, scatter_reads)
+from testbed.model.block_scatters import block_scatters, scatter_cuts, scatter_early, scatter_ops, scatter_reads
+from testbed.model.blocks import block_gathers, block_ops, gather_holds, own_blocks
 from testbed.model.leaves import (bucket_share, combine_limit, gradient_allreduces, moved_elements, parameter_collectives,
                                   regathered)
 from testbed.model.moe import moe_layers
@@ -34,7 +34,7 @@ from testbed.sim.step.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.step.tp_overlap import TpOverlap, tp_overlap
 from testbed.sim.xla.xla_tpu import sequence_gather_bytes
 
-__all__ = ["ActionWork", "ChunkFacts", "Work", "Outgoing", "ForwardBackward", "Moved", "Reduced", "Gathered",
+__all__ = ["ActionWork", "ChunkFacts", "Work", "Outgoing", "ForwardBackward", "Moved", "Reduced", "Gathered", "BucketMerge",
            "MATMULS_PER_LAYER", "chunk_facts", "action_sends"]
 
 #: Kernels a layer's FLOPs are divided over where the calibration prices matmuls by size, not by shape
@@ -82,6 +82,16 @@ class Gathered(NamedTuple):
     elements: int
     collectives: int
 
+
+
+class BucketMerge(NamedTuple):
+    """One reduction of a gradient bucket (ChunkFacts.bucket): its share of the chunk's gradients, its collectives
+    (0: one) and the op the compiler makes of it where not the parameter kind's own (empty; ``all_reduce``: XLA:TPU's
+    rank-1 gradients, testbed.model.block_scatters.scatter_ops)."""
+
+    share: float
+    count: int
+    op: str = ""
 
 
 class Work(NamedTuple):
@@ -173,17 +183,20 @@ class ChunkFacts:
     #: head are blocks of their own (testbed.model.blocks.own_blocks); empty: equal shares of the action.
     block_work: tuple[tuple[str, tuple[tuple[float, tuple[Gemm, ...]], ...]], ...] = ()
     #: Per gradient bucket of the last backward (from the head), each merged reduce-scatter's share of the
-    #: gradients, at the blocks' real sizes (testbed.model.blocks.block_scatters); empty: equal shares.
+    #: gradients, at the blocks' real sizes (testbed.model.block_scatters.block_scatters); empty: equal shares.
     bucket_sizes: tuple[tuple[float, ...], ...] = ()
     #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, the buckets (blocks) whose weight gradients it
-    #: reads (testbed.model.blocks.scatter_reads); empty: each reads its own.
+    #: reads (testbed.model.block_scatters.scatter_reads); empty: each reads its own.
     bucket_reads: tuple[tuple[tuple[int, ...], ...], ...] = ()
     #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, the share of its block's weight-gradient matmuls
-    #: it reads where it leaves before the block's input gradients, else 0 (testbed.model.blocks.scatter_early).
+    #: it reads where it leaves before the block's input gradients, else 0 (testbed.model.block_scatters.scatter_early).
     bucket_early: tuple[tuple[float, ...], ...] = ()
     #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, for each bucket of its ``bucket_reads`` the share
-    #: of that block's weight-gradient matmuls it reads (testbed.model.blocks.scatter_cuts); empty: all of it.
+    #: of that block's weight-gradient matmuls it reads (testbed.model.block_scatters.scatter_cuts); empty: all of it.
     bucket_cuts: tuple[tuple[tuple[float, ...], ...], ...] = ()
+    #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, the op the compiler makes of it where another
+    #: (``all_reduce``: XLA:TPU's rank-1 gradients, testbed.model.block_scatters.scatter_ops), else empty; empty: none.
+    bucket_ops: tuple[tuple[str, ...], ...] = ()
     #: The merged all-reduces that sum the chunk's replicated gradients (testbed.model.leaves.gradient_allreduces).
     allreduces: int = 1
     #: (token table's gradient bytes summed after the rest, the gather's between): grad_bytes.token_table_last.
@@ -225,13 +238,14 @@ class ChunkFacts:
             return ()
         return next((blocks for k, blocks in self.block_work if k == kind), ())
 
-    def bucket(self, pieces: int, k: int) -> tuple[tuple[float, int], ...]:
-        """Each reduction of bucket ``k`` of ``pieces`` as (share of the chunk's gradients, reduce-scatters): each
-        merged reduce-scatter of its block at its real size (``bucket_sizes``) where the buckets are the blocks,
-        else one equal share of :func:`bucket_share`'s count."""
+    def bucket(self, pieces: int, k: int) -> tuple[BucketMerge, ...]:
+        """Each reduction of bucket ``k`` of ``pieces`` (:class:`BucketMerge`): each merged reduce-scatter of its
+        block at its real size (``bucket_sizes``, its op ``bucket_ops``) where the buckets are the blocks, else one
+        equal share of :func:`bucket_share`'s count."""
         if self.bucket_sizes and pieces == len(self.bucket_sizes):
-            return tuple((share, 1) for share in self.bucket_sizes[k])
-        return ((1 / pieces, bucket_share(self.reduction_collectives, pieces, k)),)
+            ops = self.bucket_ops[k] if self.bucket_ops else ("",) * len(self.bucket_sizes[k])
+            return tuple(BucketMerge(share, 1, op) for share, op in zip(self.bucket_sizes[k], ops))
+        return (BucketMerge(1 / pieces, bucket_share(self.reduction_collectives, pieces, k)),)
 
     @property
     def reduction_collectives(self) -> int:
@@ -307,20 +321,22 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     gathers = {"F": moved.params, "B": regather.elements}
     sizes, ops, holds = (_directions(rule, plan, s, c, blocks, gathers, combine, param_b, again, matmul_b, lowering)
                          if wanted else ForwardBackward((), ())
-                         for rule, wanted in ((block_gathers, leaves), (block_ops, leaves and lowering.nbytes),
+                         for rule, wanted in ((block_gathers, leaves), (block_ops, leaves and lowering.active),
                                               (gather_holds, leaves and own)))
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()
     merge = combine_limit(allreduce_bytes, math.inf) if scatter_allreduce else combine  # the combiner that merges
-    bucket_sizes = block_scatters(plan, s, c, blocks, merge, reduce_b) if own and buckets == blocks else ()
-    bucket_reads = scatter_reads(plan, s, c, blocks, merge, reduce_b) if bucket_sizes else ()
-    bucket_early = scatter_early(plan, s, c, blocks, merge, reduce_b) if bucket_sizes and chained else ()
-    bucket_cuts = scatter_cuts(plan, s, c, blocks, merge, reduce_b) if bucket_sizes else ()
+    vectors = bool(lowering.lanes) and reduces and not scatter_allreduce  # XLA:TPU's rank-1 gradients' all-reduce
+    bucket_sizes = block_scatters(plan, s, c, blocks, merge, reduce_b, vectors) if own and buckets == blocks else ()
+    bucket_reads = scatter_reads(plan, s, c, blocks, merge, reduce_b, vectors) if bucket_sizes else ()
+    bucket_early = scatter_early(plan, s, c, blocks, merge, reduce_b, vectors) if bucket_sizes and chained else ()
+    bucket_cuts = scatter_cuts(plan, s, c, blocks, merge, reduce_b, vectors) if bucket_sizes else ()
+    bucket_ops = scatter_ops(plan, s, c, blocks, merge, reduce_b, vectors) if bucket_sizes and vectors else ()
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_ops=ops, block_holds=holds, block_work=block_work,
-                      bucket_sizes=bucket_sizes,
-                      bucket_reads=bucket_reads, bucket_early=bucket_early, bucket_cuts=bucket_cuts,
+                      bucket_sizes=bucket_sizes, bucket_reads=bucket_reads, bucket_early=bucket_early,
+                      bucket_cuts=bucket_cuts, bucket_ops=bucket_ops,
                       reduced=Reduced(reduced_bytes(plan, s, c, moved.grads, reduce_b, "grads", native),
                                       reduced_bytes(plan, s, c, moved.optimizer, reduce_b, "optimizer", native)
                                       - position_saved + (sequence_b if summed_each_microbatch(plan)

@@ -37,9 +37,9 @@ from testbed.sim.step.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMU
                                      gradient_buckets, reduce_bytes, tied_copy_bytes)
 from testbed.sim.step.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.step.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
-from testbed.sim.xla.xla_tpu import (accumulate_op, gather_allreduce_bytes, lowered_reductions, lowering_of,
-                                 matmul_gather_bytes, merges_loss, narrows_gathers, regathers_for_recompute,
-                                 scatters_as_allreduce)
+from testbed.sim.xla.xla_tpu import (VECTOR_LANES, accumulate_op, gather_allreduce_bytes, lowered_reductions,
+                                     lowering_of, lowers_vectors, matmul_gather_bytes, merges_loss, narrows_gathers,
+                                     regathers_for_recompute, scatters_as_allreduce)
 
 if TYPE_CHECKING:
     from testbed.topology import Topology
@@ -160,7 +160,7 @@ def topology_rules(topology: Topology) -> dict[str, Any]:
             "fused_updates": device.fused_updates(), "whole_slice_scatters": scatters_as_allreduce(topology),
             "recompute_gathers": regathers_for_recompute(topology),
             "narrowed_gathers": narrows_gathers(topology), "gather_allreduce": gather_allreduce_bytes(topology),
-            "held": device.held_collectives()}
+            "vector_lanes": VECTOR_LANES if lowers_vectors(topology) else 0, "held": device.held_collectives()}
 
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
@@ -168,7 +168,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                native_reductions: bool = False, allreduce_bytes: float | None = None,
                fused_updates: bool = False, whole_slice_scatters: bool = False,
                recompute_gathers: bool = False, narrowed_gathers: bool = False,
-               gather_allreduce: float = 0.0, held: frozenset[str] = frozenset()) -> StepFacts:
+               gather_allreduce: float = 0.0, held: frozenset[str] = frozenset(), vector_lanes: int = 0) -> StepFacts:
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
@@ -186,8 +186,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         recompute_gathers: under full remat a layer's backward gathers its recomputation's leaves apart from its
             gradients' (XLA:TPU: testbed.sim.xla.xla_tpu.regathers_for_recompute).
         narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weights and activations only matmuls read in bf16, over
-            a whole slice small buffers as merged all-reduces (testbed.sim.xla.xla_tpu). held: the collective kinds
-            played in program order with the compute (DeviceSpec.held_collectives)."""
+            a whole slice small buffers as merged all-reduces, and (``vector_lanes``; 0: none) rank-1 leaves too
+            (testbed.sim.xla.xla_tpu). held: the collective kinds played in program order with the compute."""
     mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
     schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
                                                                                                order_of(schedule))
@@ -197,7 +197,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     reductions = lowered_reductions(parameter_reductions(plan, sharding.optimizer), mesh, whole_slice_scatters)
     combine = combine_limit(combine_bytes, plan.runtime.gather_combine_bytes)
     gathered = (matmul_gather_bytes(plan, param_b) if narrowed_gathers else 0.0,  # XLA:TPU's gathers' rules
-                lowering_of(gather_allreduce, allreduce_bytes, sharding.ways(plan, "params"), mesh.size))
+                lowering_of(gather_allreduce, allreduce_bytes, sharding.ways(plan, "params"), mesh.size, vector_lanes))
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     alike: dict[tuple, ChunkFacts] = {}  # chunks alike in their layers and ends: worked out once

@@ -18,7 +18,7 @@ latency-hiding scheduler, testbed.sim.xla.overlap) hold:
   all-gather). The first layer's go with the embedding's block, after the merges that read no held weight
   gradient have left (the table's reads only the scatter-add).
 - A merged gradient reduce-scatter leaves once the weight gradients of the blocks it reads are computed
-  (testbed.model.blocks.scatter_reads; XLA's scheduler starts a collective once its operands are ready), not
+  (testbed.model.block_scatters.scatter_reads; XLA's scheduler starts a collective once its operands are ready), not
   after every held block's. Under sequence parallelism every layer's merge is issued in the embedding's block
   (it reads the backward's one all-reduce of the tensor-replicated gradients), yet the last layer's leaves
   beside the first layer's weight gradients, and a merge that reads the first layer's waits for them.
@@ -237,7 +237,7 @@ def _held(items: list[Item], held: list[tuple[int, float, float]], pending: list
     none): a held block's weight gradients are cut by the reductions that wait for that block last, each
     computing its share and leaving after it, before the block's other weight gradients (the traced layer
     computes a merge's weight-gradient matmuls, then that merge's reduce-scatter leaves: XLA starts a
-    reduce-scatter once its operands are ready; testbed.model.blocks.scatter_cuts). Returns (the last compute
+    reduce-scatter once its operands are ready; testbed.model.block_scatters.scatter_cuts). Returns (the last compute
     item, what a release waits for, what the next item waits for)."""
     chain, computed = list(deps), set()
     for i, f, share in ((i, f, share) for i, f, share in held if f):
@@ -264,7 +264,7 @@ def _held(items: list[Item], held: list[tuple[int, float, float]], pending: list
 def _first_weights(spans: tuple, block: float, flops: float, k: int, early: tuple[float, ...], items: list[Item]
                    ) -> float:
     """Block ``k``'s weight gradients that reductions read before its spans (``early``: per reduction, its share
-    of the block's weight gradients; testbed.model.blocks.scatter_early), each computed first and its reduction
+    of the block's weight gradients; testbed.model.block_scatters.scatter_early), each computed first and its reduction
     released after it (XLA starts a reduce-scatter once its operands are ready). Returns their FLOPs."""
     if not any(early):
         return 0.0

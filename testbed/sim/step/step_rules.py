@@ -214,7 +214,7 @@ def after_tensor(plan: Plan, own_blocks: bool, blocking_tensor: bool, pieces: in
     (``own_blocks``: the embedding, each layer, the head; testbed.model.blocks.own_blocks) the last block's
     gradients are complete only after them: they sit among its kernels in the program (and under sequence
     parallelism the merges that read the tensor ranks' combined sums are the last block's:
-    testbed.model.blocks.block_scatters). The one rule the task graph (testbed.sim.graph.program) and the analytic
+    testbed.model.block_scatters.block_scatters). The one rule the task graph (testbed.sim.graph.program) and the analytic
     tier (testbed.explore.play) read."""
     if not own_blocks or not blocking_tensor or plan.mesh.tensor <= 1 or plan.runtime.tp_comm_overlap:
         return pieces

@@ -60,7 +60,9 @@ class TracedOp:
     per iteration walked (increasing in program order; an op after an inner loop has its enclosing iteration's).
     ``combiner``: the collectives a compiler's combiner merges it with beyond its kind and axes (empty: all of
     them; ``gather``: an all-gather XLA:TPU lowers as an all-reduce merges with such ones only,
-    testbed.sim.xla.xla_tpu.lowered_gathers).
+    testbed.sim.xla.xla_tpu.lowered_gathers). ``vector``: for an all-gather or reduce-scatter of rank-1 buffers,
+    the elements of each device's shard (0: not rank-1), which XLA:TPU's rules read
+    (testbed.sim.xla.xla_tpu.vector_gather_lowers).
     """
 
     name: str
@@ -77,6 +79,7 @@ class TracedOp:
     count: int = 1
     iteration: int = 0
     combiner: str = ""
+    vector: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))

@@ -42,10 +42,21 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   all-gathers (testbed.sim.step.action_work.tensor_transfers) are read by matmuls but for the embedding backward's (the
   lookup's cotangent, which the table's scatter-add reads) and the position table's gradient's.
 
+- **Rank-1 gathers and reduce-scatters are all-reduces** (:func:`vector_gather_lowers`, :func:`lowers_vectors`):
+  benchmarks/xla_tpu_probes/vectors.json (benchmarks/xla_tpu_vectors.py, 80 compiles) all-reduces every rank-1
+  reduce-scatter, and every rank-1 all-gather whose shard is not whole 128-lane rows (64 or 96 elements a device;
+  128 and 256 stay all-gathers), over whole v5e 2x2 and 4x4 and v5p 2x2x2 slices and over part of v5e 4x4 and 8x8
+  ones, bf16 and fp32, merged by the all-reduce combiner. A plan's rank-1 leaves (norms, biases) and those held flat
+  (ParamSpec.padded: ``attn/bqkv`` under tensor parallelism) follow it: their gathers merged as the whole slice's
+  small gathers are (testbed.model.gather_lowering), their gradients' reduce-scatters one all-reduce at the
+  backward's end (testbed.model.block_scatters.scatter_ops). Every recorded plan's fsdp all-gathers equal XLA:TPU's by it
+  (llama4k-fsdp256-tensor4: 51 all-gathers to 37 and four all-reduces of the norms, 16 elements a device), and
+  llama2k-fsdp4-tensor4-sp's and gpt2k-fsdp8-tensor8-sp's fsdp collectives all.
+
 A traced program (testbed.sim.graph.traced) follows the gather rules by the same functions (:func:`lowered_gathers`:
 :func:`gather_element_bytes` for a gather every reader of which is a matmul, :func:`lowering_of` and
-testbed.model.gather_lowering.lowers for a whole slice's small gather) and the reduce-scatter rule by
-:func:`lowered_scatters`.
+testbed.model.gather_lowering.lowers for a whole slice's small gather, :func:`vector_gather_lowers` for a rank-1 one:
+TracedOp.vector) and the reduce-scatter rules by :func:`lowered_scatters`.
 
 Pure: no JAX.
 """
@@ -70,7 +81,8 @@ __all__ = ["scatters_as_allreduce", "lowered_reductions", "accumulate_op", "lowe
            "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
            "sequence_gather_bytes",
            "gather_element_bytes", "lowered_gathers",
-           "gather_allreduce_bytes", "gather_lowering", "lowering_of", "V5E_GATHER_ALLREDUCE_BYTES", "RECOMPUTE_SKIPS"]
+           "gather_allreduce_bytes", "gather_lowering", "lowering_of", "V5E_GATHER_ALLREDUCE_BYTES", "RECOMPUTE_SKIPS",
+           "VECTOR_LANES", "vector_gather_lowers", "lowers_vectors"]
 
 #: Bytes per element of a weight matrix XLA:TPU gathers for matmuls of the backend's default precision (one bf16
 #: pass: the operand rounded to bf16, the rounding moved before the all-gather).
@@ -106,14 +118,16 @@ def accumulate_op(axes: tuple, mesh: MeshSpec, whole_slice: bool) -> str:
     return "all_reduce" if whole_slice and spans else "reduce_scatter"
 
 
-def lowered_scatters(workload: "Workload", whole_slice: bool) -> "Workload":
+def lowered_scatters(workload: "Workload", whole_slice: bool, vectors: bool = False) -> "Workload":
     """A traced program's ``workload`` with each reduce-scatter over every device of its mesh an all-reduce of the
-    same bytes where ``whole_slice`` (:func:`scatters_as_allreduce` of the topology): the rule
-    :func:`lowered_reductions` applies to a plan's gradients, for the traced tier."""
-    if not whole_slice:
+    same bytes where ``whole_slice`` (:func:`scatters_as_allreduce` of the topology), and each of rank-1 buffers
+    where ``vectors`` (:func:`lowers_vectors`): the rules :func:`lowered_reductions` and testbed.model.blocks.
+    scatter_ops apply to a plan's gradients, for the traced tier."""
+    if not whole_slice and not vectors:
         return workload
     ops = tuple(replace(op, collective="all_reduce", name=op.name.replace("reduce_scatter", "all_reduce", 1))
-                if op.collective == "reduce_scatter" and op.group == workload.devices else op
+                if op.collective == "reduce_scatter" and (
+                    (whole_slice and op.group == workload.devices) or (vectors and op.vector)) else op
                 for op in workload.ops)
     return replace(workload, ops=ops) if ops != workload.ops else workload
 
@@ -183,18 +197,21 @@ def gather_allreduce_bytes(topology: Topology) -> float:
 def gather_lowering(topology: Topology, plan: Plan, ways: int) -> Lowering:
     """The gathers of ``plan``'s parameters (sharded ``ways`` ways) that compile to all-reduces, merged by the
     all-reduce combiner (testbed.model.gather_lowering): over a whole slice (every device of the mesh),
-    :func:`gather_allreduce_bytes`; none over part of one (the probes: 16 or 64 of 256 chips, 16 of 64)."""
+    :func:`gather_allreduce_bytes`, none by size over part of one (the probes: 16 or 64 of 256 chips, 16 of 64);
+    the misaligned rank-1 leaves over any part of an XLA:TPU slice (:func:`vector_gather_lowers`)."""
     return lowering_of(gather_allreduce_bytes(topology), topology.calibration.collectives.allreduce_combine_bytes,
-                       ways, plan.mesh.size)
+                       ways, plan.mesh.size, VECTOR_LANES if lowers_vectors(topology) else 0)
 
 
-def lowering_of(bound: float, allreduce_bytes: float | None, ways: int, devices: int) -> Lowering:
+def lowering_of(bound: float, allreduce_bytes: float | None, ways: int, devices: int, lanes: int = 0) -> Lowering:
     """:func:`gather_lowering` of gathers over ``ways`` of a mesh's ``devices`` from the topology's ``bound``
-    (:func:`gather_allreduce_bytes`) and its all-reduce combiner's bound (None: unbounded): none unless
-    ``ways`` is every device."""
+    (:func:`gather_allreduce_bytes`) and its all-reduce combiner's bound (None: unbounded): by size none unless
+    ``ways`` is every device; the rank-1 leaves whose shards are not whole rows of ``lanes`` elements over any
+    part of a slice (:func:`vector_gather_lowers`; 0: none)."""
+    combined = math.inf if allreduce_bytes is None else float(allreduce_bytes)
     if not bound or ways != devices:
-        return NO_LOWERING
-    return Lowering(bound, math.inf if allreduce_bytes is None else float(allreduce_bytes))
+        return Lowering(0.0, combined, lanes) if lanes and ways > 1 else NO_LOWERING
+    return Lowering(bound, combined, lanes)
 
 
 def lowered_gathers(workload: "Workload", topology: Topology) -> "Workload":
@@ -202,8 +219,9 @@ def lowered_gathers(workload: "Workload", topology: Topology) -> "Workload":
     plan's gathers follow (module docstring), for the traced tier. Where :func:`narrows_gathers`, an all-gather
     every reader of which is a matmul moves :func:`gather_element_bytes` per element (the traced tier prices every
     matmul at the default precision: testbed.sim.graph.traced.matmul_dtype); then one over every device of the mesh
-    that :func:`lowering_of` lowers (testbed.model.gather_lowering.lowers) is an all-reduce of the same bytes,
-    which testbed.sim.xla.combine's all-reduce combiner merges by data flow, as XLA's does."""
+    that :func:`lowering_of` lowers (testbed.model.gather_lowering.lowers), and one of a rank-1 buffer
+    :func:`vector_gather_lowers` lowers over any devices, is an all-reduce of the same bytes, which
+    testbed.sim.xla.combine's all-reduce combiner merges by data flow, as XLA's does."""
     narrow, readers = narrows_gathers(topology), workload.readers()
     bound = gather_allreduce_bytes(topology)
     allreduce_bytes = topology.calibration.collectives.allreduce_combine_bytes
@@ -216,7 +234,8 @@ def lowered_gathers(workload: "Workload", topology: Topology) -> "Workload":
             workload.ops[r].kind is OpKind.GEMM for r in readers[i]) else 0.0
         if narrowed:
             op = replace(op, nbytes=op.nbytes * narrowed / width, element="bf16")
-        if lowers(op.nbytes, lowering_of(bound, allreduce_bytes, op.group, workload.devices)):
+        vector = lowers_vectors(topology) and op.vector and vector_gather_lowers(op.vector)
+        if vector or lowers(op.nbytes, lowering_of(bound, allreduce_bytes, op.group, workload.devices)):
             op = replace(op, collective="all_reduce", name=op.name.replace("all_gather", "all_reduce", 1),
                          combiner="gather")
         ops[i] = op
@@ -227,4 +246,25 @@ def lowered_gathers(workload: "Workload", topology: Topology) -> "Workload":
 def regathers_for_recompute(topology: Topology) -> bool:
     """Whether a full-remat layer's backward gathers the leaves its recomputation reads apart from its gradients'
     (module docstring): XLA:TPU's rule."""
+    return topology.device.buffer_rules == "xla-tpu"
+
+
+#: The lanes of a TPU vector register row: a rank-1 buffer's tiles hold 128-element rows (``T(1024)(128)`` and
+#: ``T(256)(128)`` layouts in the compiled HLO).
+VECTOR_LANES = 128
+
+
+def vector_gather_lowers(shard_elements: int) -> bool:
+    """Whether XLA:TPU compiles the all-gather of a rank-1 buffer of ``shard_elements`` per device to an all-reduce
+    of the zero-padded vector (merged by the all-reduce combiner; module docstring): where the shard is not a whole
+    number of :data:`VECTOR_LANES` rows. benchmarks/xla_tpu_probes/vectors.json: shards of 64 and 96 elements
+    all-reduced, of 128 and 256 gathered, over whole v5e 2x2 and 4x4 and v5p 2x2x2 slices and over part of v5e 4x4
+    and 8x8 ones, bf16 and fp32; the recorded plans' norms (llama4k-fsdp256-tensor4: 16 elements a device) and
+    biases (gpt2k-fsdp16-tensor4-sp: ``attn/b_qkv``, 96) agree."""
+    return shard_elements % VECTOR_LANES != 0
+
+
+def lowers_vectors(topology: Topology) -> bool:
+    """Whether the compiler lowers rank-1 gathers and reduce-scatters as all-reduces (:func:`vector_gather_lowers`,
+    :func:`vector_scatters_as_allreduce`): XLA:TPU's rule."""
     return topology.device.buffer_rules == "xla-tpu"
