@@ -22,7 +22,7 @@ from testbed.sim.graph.engine import simulate
 from testbed.sim.step.grad_bytes import (ACCUMULATE_PASSES, FUSED_ACCUMULATE_PASSES, accumulated_bytes,
                                      accumulated_elements, accumulating_gemms)
 from testbed.sim.graph.pricing import price
-from testbed.sim.step.update_facts import fused_update
+from testbed.sim.step.update_facts import fused_update, hidden_update_bytes
 from testbed.topology.io import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,20 +54,45 @@ def test_a_fused_update_costs_what_its_pass_exceeds_the_matmuls_by() -> None:
 
 
 def test_both_tiers_price_the_fused_update_and_the_chip_profile_agrees() -> None:
-    """The update left after fusion is what the chip's profile shows outside the matmul fusions (the token table's
-    update), on the plans where the matmuls outlast the update; and the analytic tier agrees with the task graph."""
+    """The optimizer task holds the update left after fusion (the token table's, the norms') and the part of the
+    fused updates that does not hide under their matmuls. Against what the chip's profile shows outside the matmuls
+    (class ``optimizer``) plus what its fused kernels take beyond their matmuls priced alone, over the six profiled
+    plans whose updates fuse: the median within 15% (per plan 0.45-1.34 of it: the fp32 plan's kernels run slower,
+    the 125M's faster); the analytic tier agrees with the task graph; a device that does not fuse pays more."""
     topo = load_topology("tpu-v5e-1")
     profiles = {p["plan"]: p["planes"]["/device:TPU:0"]["classes_ns_per_step"]
                 for p in json.loads((ROOT / "benchmarks/tpu_chip/profiles.json").read_text())["plans"]}
-    for name in ("gpt125m-bf16", "llama1b-bf16-flash-full", "llama400m-bf16-full"):
+    ratios = {}
+    for name in (n for n, c in profiles.items() if c["matmul+optimizer"] > 0):
         plan = _plan(name)
         sim = simulate(plan, topo)
-        durations = price(sim.program, topo, plan_matmul_dtype(plan, topo)).durations
+        dtype = plan_matmul_dtype(plan, topo)
+        durations = price(sim.program, topo, dtype).durations
         (left,) = [d for t, d in zip(sim.program.tasks, durations) if t.name == "optimizer"]
-        assert left == pytest.approx(profiles[name]["optimizer"] / 1e9, rel=0.15), name
+        fused = chunk_gemms(plan, 0).backward_weight  # the layers' and the head's: each with its update
+        beyond = profiles[name]["matmul+optimizer"] / 1e9 - sum(gemm_seconds(topo, dtype, g) for g in fused)
+        ratios[name] = left / (profiles[name]["optimizer"] / 1e9 + beyond)
         assert estimate(plan, topo).step_time_s == pytest.approx(sim.report.step_time_s, rel=0.03), name
         unfused = replace(topo, device=replace(topo.device, buffer_rules="xla"))
-        assert simulate(plan, unfused).report.step_time_s > sim.report.step_time_s + 0.5 * left, name
+        assert simulate(plan, unfused).report.step_time_s > sim.report.step_time_s, name
+    assert len(ratios) == 6 and statistics.median(ratios.values()) == pytest.approx(1.0, rel=0.15), ratios
+
+
+def test_a_fused_update_hides_the_share_its_kernels_fit() -> None:
+    """FUSED_UPDATE_HIDDEN is benchmarks/tpu_fused_update_fit.py's fit over the suite's profiled fused kernels; at
+    it the kernels are priced closer than by the longer of matmul and update, in sample and on the held-out
+    proxies' kernels (benchmarks/tpu_chip/proxies/profiles.json)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import tpu_fused_update_fit
+
+    report = tpu_fused_update_fit.report()
+    assert report["matches_shipped"] and report["kernels"] >= 10, report["hidden"]
+    summary = report["summary"]
+    assert summary["fit"]["median_abs"] < summary["longer_of_the_two"]["median_abs"]
+    assert summary["held_out_proxies"]["median_abs"] < summary["held_out_proxies_longer_of_the_two"]["median_abs"]
+    assert 0 < hidden_update_bytes(28, 2) - 2 < 26  # the gradient's read hides, and part of the rest
 
 
 def test_the_accumulation_fuses_into_the_gradient_matmuls_as_the_chip_compiles_it() -> None:

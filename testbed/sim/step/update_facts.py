@@ -20,6 +20,7 @@ from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.step.grad_bytes import sequence_apart, sequence_replicated, summed_each_microbatch
 
 __all__ = ["OPTIMIZER_FLOPS_PER_PARAM", "StageUpdate", "Reduction", "stage_update", "fused_update", "update_seconds",
+           "FUSED_UPDATE_HIDDEN", "hidden_update_bytes",
            "update_bytes", "parameter_reductions"]
 
 #: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
@@ -36,7 +37,8 @@ class StageUpdate:
     regathers: int
     regather_bytes: float
     #: Where the compiler runs each weight matrix's update in its gradient matmul's epilogue (:func:`fused_update`):
-    #: those matmuls' FLOPs on the device, and the part of ``hbm_bytes`` that is those matrices' update (0: none).
+    #: those matmuls' FLOPs on the device, and the part of ``hbm_bytes`` that hides under them
+    #: (:func:`hidden_update_bytes`; 0: none).
     fused_flops: float = 0.0
     fused_bytes: float = 0.0
 
@@ -84,15 +86,30 @@ def stage_update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, comb
     return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard, hbm_bytes=shard * per_param,
                        regathers=regathers, regather_bytes=regather_bytes,
                        fused_flops=2.0 * plan.batch.global_batch * plan.model.seq_len * matrices,
-                       fused_bytes=matrices * per_param)
+                       fused_bytes=matrices * hidden_update_bytes(per_param, grad_b))
+
+
+#: The share of a fused update's own pass (past the gradient's read) that hides under its weight-gradient matmul:
+#: fitted over the layers' fused kernels of the chip's per-op profiles (benchmarks/tpu_chip/profiles.json, 6 plans;
+#: each kernel's time against its matmul priced alone plus the update's pass, tests/test_chip_rules.py, which
+#: prints the per-kernel errors and the leave-one-plan-out fit). 1 would be the longer of the two, 0 their sum.
+FUSED_UPDATE_HIDDEN = 0.29
+
+
+def hidden_update_bytes(per_param: float, grad_b: float) -> float:
+    """Bytes per parameter of a fused update (``per_param``, :func:`update_bytes`) that hide under the weight-gradient
+    matmul it is fused into, at most that matmul's time (testbed.sim.price.compute.epilogue_seconds): the gradient's
+    read (the update takes it from the matmul's result on chip) and :data:`FUSED_UPDATE_HIDDEN` of the rest."""
+    return grad_b + FUSED_UPDATE_HIDDEN * (per_param - grad_b)
 
 
 def fused_update(plan: Plan, s: int) -> int:
     """Weight-matrix elements of stage ``s`` on one device whose optimizer update XLA:TPU runs in the epilogue
     of their weight-gradient matmul (0: none). Seen in the chip's per-op profiles (benchmarks/tpu_chip/
-    profiles.json): with one microbatch and no gradient sum over devices, each matrix's AdamW update is one
-    output fusion with its gradient's convolution, which takes the longer of the two; the token table (its
-    gradient a scatter), the norms and an accumulated (the loop's sum) or reduced gradient are updated apart."""
+    profiles.json): with one microbatch and no gradient sum over devices, each matrix's update is one output
+    fusion with its gradient's convolution, which takes the two one after the other (:func:`update_seconds`); the
+    token table (its gradient a scatter), the norms and an accumulated (the loop's sum) or reduced gradient are
+    updated apart."""
     if plan.batch.microbatches > 1 or reduction_axes(plan) or plan.model.experts or plan.mesh.stage > 1:
         return 0
     held = layout.chunk_params(plan.model, s, 0, 1)
@@ -101,9 +118,10 @@ def fused_update(plan: Plan, s: int) -> int:
 
 
 def update_seconds(topology, dtype: str, update: StageUpdate) -> float:
-    """Seconds of a stage's optimizer update past its gradients' matmuls: its roofline, less the part it runs
-    under the weight-gradient matmuls it is fused into (:func:`fused_update`: each such pair takes the longer
-    of the two, and the matmuls are priced in the backward already). Both tiers price the update here."""
+    """Seconds of a stage's optimizer update past its gradients' matmuls: its roofline, less the part that hides
+    under the weight-gradient matmuls it is fused into (:func:`fused_update`, :func:`hidden_update_bytes`): the
+    chip's fused kernels take their matmul's time plus most of the update's pass, not the longer of the two
+    (benchmarks/tpu_chip/profiles.json). Both tiers price the update here."""
     return compute_seconds(topology, dtype, update.flops, update.hbm_bytes, 1,
                            epilogue=(update.fused_flops, update.fused_bytes))
 
