@@ -117,3 +117,26 @@ def test_megatron_deepspeed_cases_run_the_codes_dropout() -> None:
     cases = [c for c in CASES if c["stack"] == "megatron-deepspeed"]
     assert cases
     assert all(runs.case_plan(c).model.dropout == MEGATRON_DEEPSPEED_DROPOUT for c in cases)
+
+
+def test_every_tpu_topology_compiles_with_xla_tpu() -> None:
+    """Every TPU run here is a JAX program compiled by XLA:TPU (runs.yaml's topologies header): its device declares
+    that compiler's rules as the bundled TPU files do, and the MXU's side (256 on v6e, 128 on v4, v5e, v5p)."""
+    tpus = {name: t for name, t in INLINE.items() if t.device.name.startswith("TPU")}
+    assert len(tpus) >= 10
+    for name, topology in tpus.items():
+        device = topology.device
+        assert (device.buffer_rules, device.fp32_matmuls) == ("xla-tpu", "bf16"), name
+        assert device.systolic_width == (256 if device.name == "TPU-v6e" else 128), name
+        assert device.held_collectives() == {"all_reduce"}, name
+
+
+def test_a_case_that_overlaps_its_all_reduces_names_the_flags() -> None:
+    """``runtime.async_all_reduce`` is set by a run's XLA flags, never fitted: each case that sets it names the flag
+    in its assumptions, and runs on a TPU (whose compiler holds its all-reduces without the flags)."""
+    overlapped = [c for c in CASES if runs.case_plan(c).runtime.async_all_reduce]
+    assert len(overlapped) >= 30
+    for case in overlapped:
+        said = " ".join(case["assumptions"])
+        assert "runtime.async_all_reduce" in said and "xla_tpu_" in said, case["name"]
+        assert case["device"].startswith("TPU"), case["name"]

@@ -14,7 +14,10 @@ over 2.77: 166). Two kinds of number describe that on every TPU topology of runs
   passes at the device's HBM bandwidth over each byte of activations a compute
   task writes (testbed.model.costs.layer_traffic_bytes), one for all.
 
-Fitted over every TPU case of runs.yaml (the category: a case whose ``device`` is a
+Each case runs on its topology under the compiler it compiled with (runs.yaml's TPU topologies declare XLA:TPU's
+rules: all-reduces held in program order, a whole slice's scatters and small gathers lowered to all-reduces; a run
+whose XLA flags overlap its gradient all-reduces states ``runtime.async_all_reduce``), so the efficiency absorbs the
+matmuls' speed, not those collectives. Fitted over every TPU case of runs.yaml (the category: a case whose ``device`` is a
 TPU; three stacks, MaxText, AXLearn and PaLM's Pathways, four TPU generations, dense and MoE, 8-8,192 chips) by
 least squares of the relative error of tokens/s, on a grid (efficiency step 0.005, passes step 0.1). A case's step
 time is linear in ``1 / efficiency`` and ``passes`` while compute dominates

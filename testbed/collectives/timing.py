@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from testbed.collectives.algorithms import ALGORITHMS, GRID_ALGORITHMS, SUPPORTED_OPS, parse_algorithm
-from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, parallel_copies, place_program, profile,
-                                        program_flows, routed_cost, topology_memo)
+from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, memoized, parallel_copies, place_program,
+                                        profile, program_flows, routed_cost, topology_memo)
 from testbed.collectives.bounds import distinct_groups, lower_bound
 from testbed.collectives.closed_form import closed_form_time
 from testbed.collectives.gloo import gloo_algorithm, gloo_pipelined, round_s
@@ -259,7 +259,7 @@ def _auto_algorithms(topology: Topology, op: Op, groups: tuple[tuple[int, ...], 
     n = len(groups[0])
     able = applicable_algorithms(topology, op, groups[0])
     if len(groups) > 1 and any(a in GRID_ALGORITHMS for a in able):  # a grid program needs every group a grid
-        grids = all(group_grid(topology, g) is not None for g in groups[1:])
+        grids = _all_grids(topology, groups)
         able = [a for a in able if grids or a not in GRID_ALGORITHMS]
     nccl = [a for a in able if a in NCCL_ALGORITHMS]
     if not nccl:
@@ -278,6 +278,13 @@ def _auto_algorithms(topology: Topology, op: Op, groups: tuple[tuple[int, ...], 
         able = sized
     gloo = gloo_algorithm(topology, op)
     return [nccl_best(topology, op, groups[0], nbytes)[0]] if nccl else [gloo] if gloo in able else able
+
+
+def _all_grids(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether every group but the first is a grid (:func:`testbed.collectives.routed.group_grid`), memoized per
+    topology on the groups (hashed once: :class:`_Groups`): every size of one set of groups asks it again."""
+    return memoized(topology, "all_grids", groups,
+                    lambda: all(group_grid(topology, g) is not None for g in groups[1:]), limit=10_000)
 
 
 def _nccl_timing(topology: Topology, op: Op, algorithm: str, groups: tuple[tuple[int, ...], ...], nbytes: float,

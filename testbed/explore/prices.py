@@ -115,6 +115,7 @@ class StepPrices:
         self.prices: dict[tuple[int, int, str], ActionPrice] = {}
         self._played: dict[tuple, ActionPrice] = {}  # :meth:`played`'s memo
         self._reduced: dict[tuple, Reduced] = {}  # :meth:`_reduce`'s memo
+        self._sent: dict[tuple, PricedSend] = {}  # :meth:`_sends`' memo
         plan, v = facts.plan, facts.virtual
         spans = chunk_layers(plan.model, p, v, plan.stage_layers)
         for s in range(p):
@@ -246,10 +247,17 @@ class StepPrices:
     def _sends(self, s: int, work: ActionWork) -> tuple[PricedSend, ...]:
         """An action's sends: split sends (StepFacts.scatter_sends) each rank's share, then the receivers' all-gather
         over tensor (their recv stream)."""
-        reps, ways, topology = self.facts.representatives, self.facts.scatter_sends, self.topology
-        return tuple(PricedSend(dst, send_time(topology, reps[s], reps[dst], nbytes / ways),
-                                self.coll.time("all_gather", (Axis.TENSOR,), dst, nbytes) if ways > 1 else 0.0)
-                     for dst, _, nbytes in work.sends)
+        memo = self._sent
+        out = []
+        for dst, _, nbytes in work.sends:  # a stage's chunks send alike to one stage: each priced once
+            priced = memo.get((s, dst, nbytes))
+            if priced is None:
+                reps, ways, topology = self.facts.representatives, self.facts.scatter_sends, self.topology
+                priced = memo[(s, dst, nbytes)] = PricedSend(
+                    dst, send_time(topology, reps[s], reps[dst], nbytes / ways),
+                    self.coll.time("all_gather", (Axis.TENSOR,), dst, nbytes) if ways > 1 else 0.0)
+            out.append(priced)
+        return tuple(out)
 
     def _syncs(self, chunk: ChunkFacts, work: ActionWork, plain: bool, scatter: bool, bucket_syncs: Syncs,
                pieces: int) -> tuple[Syncs, Syncs]:

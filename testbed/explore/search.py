@@ -160,7 +160,7 @@ def _sort_key(objective: str, c: Candidate) -> tuple:
 
 
 def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0, floors: dict | None = None,
-             bar: float = math.inf, plays: dict | None = None) -> Estimate | float | None:
+             bar: float = math.inf, plays: dict | None = None, checked: bool = False) -> Estimate | float | None:
     """The analytic estimate of ``plan``, or None when it needs more than ``memory_cap`` of device memory (with a
     finite ``bar``, a lower bound of the estimate above ``bar`` where it certainly is: testbed.explore.analytic).
 
@@ -168,9 +168,10 @@ def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0, floors: di
     the model states of the fullest-looking stage (:func:`testbed.model.memory.state_floor`, the same for
     every schedule, microbatch count and remat of a mesh, so kept in ``floors`` across calls when given),
     then those stages' whole peak bytes (:func:`testbed.model.memory.stage_memory`). Neither changes which
-    plans fit: a plan is dropped only when some device of it overflows (``plays``: estimate's memo of plays).
+    plans fit: a plan is dropped only when some device of it overflows (``plays``: estimate's memo of plays;
+    ``checked``: the caller found neither bound overflowing, :func:`_overflows`).
     """
-    if _overflows(plan, topology, memory_cap, floors):
+    if not checked and _overflows(plan, topology, memory_cap, floors):
         return None
     memory = plan_memory(plan, topology)
     if memory.total > memory_cap * memory.capacity:
@@ -398,7 +399,7 @@ def _best_first(tier: _Tier, bounded: list, before: int, topology: Topology, mem
                                waiting[0][0] if waiting else float("inf")):
                     heapq.heappush(waiting, (tight, order, plan))
                     continue
-        _estimate_into(tier, plan, topology, memory_cap, rank, fastest, keep, margin)
+        _estimate_into(tier, plan, topology, memory_cap, rank, fastest, keep, margin, checked=True)
         if progress is not None:
             eta.update("analytic", k)
             bar = -fastest[0] * (1 + margin) if len(fastest) >= keep else float("inf")
@@ -415,11 +416,11 @@ def _built(ref: Plan | tuple[CandidateGroup, int, tuple]) -> Plan:
 
 
 def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: float, rank: Callable,
-                   fastest: list[float] | None, keep: int, margin: float = 0.0) -> None:
+                   fastest: list[float] | None, keep: int, margin: float = 0.0, checked: bool = False) -> None:
     """Estimate ``plan`` into ``tier``'s shortlist (or count it pruned when it does not fit), keeping the heap of
-    the ``keep`` fastest estimates when given."""
+    the ``keep`` fastest estimates when given (``checked``: as :func:`evaluate`'s)."""
     bar = -fastest[0] * (1 + margin) if fastest is not None and len(fastest) >= keep else math.inf
-    est = evaluate(plan, topology, memory_cap, tier.floors, bar, tier.plays)
+    est = evaluate(plan, topology, memory_cap, tier.floors, bar, tier.plays, checked)
     if est is None:
         tier.pruned += 1
         return

@@ -117,9 +117,18 @@ def device_stage_params(plan: Plan, stage: int, ways: int = 1, experts_only: boo
     The sharding is the layout's one rule (``testbed.model.layout.shard_dim``,
     as the runner's): a parameter no free dim of which ``ways`` divides stays whole.
     """
-    v, split = plan.schedule.virtual_stages, plan.stage_layers
-    return sum(_chunk_params(plan.model, stage, c, plan.mesh.stage, v, plan.mesh.tensor, ways, split,
-                             plan.mesh.expert, experts_only, plan.mesh.expert_tensor) for c in range(v))
+    mesh = plan.mesh
+    return _stage_params(plan.model, stage, mesh.stage, plan.schedule.virtual_stages, mesh.tensor, ways,
+                         plan.stage_layers, mesh.expert, experts_only, mesh.expert_tensor)
+
+
+@functools.lru_cache(maxsize=65536)  # pure: the memory bounds ask it for every stage of thousands of plans
+def _stage_params(spec: ModelSpec, stage: int, stages: int, virtual: int, tensor: int, ways: int,
+                  stage_layers: tuple[int, ...] | None, expert: int, experts_only: bool | None,
+                  expert_tensor: int | None) -> int:
+    """:func:`device_stage_params` of a plan's values, its chunks' :func:`_chunk_params` summed."""
+    return sum(_chunk_params(spec, stage, c, stages, virtual, tensor, ways, stage_layers, expert, experts_only,
+                             expert_tensor) for c in range(virtual))
 
 
 # -- FLOPs ----------------------------------------------------------------------------

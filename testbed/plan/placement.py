@@ -55,7 +55,7 @@ class Placement:
         ids.setflags(write=False)
         if ids.ndim != len(MESH_AXES):
             raise ValueError(f"device_ids must have {len(MESH_AXES)} dims (MESH_AXES), got shape {ids.shape}")
-        if sorted(ids.ravel().tolist()) != list(range(ids.size)):
+        if not np.array_equal(np.sort(ids, axis=None), np.arange(ids.size)):
             raise ValueError("device_ids must be a permutation of 0..n-1")
         object.__setattr__(self, "device_ids", ids)
         object.__setattr__(self, "_groups", {})

@@ -144,6 +144,10 @@ class RuntimeSpec:
     gather_combine_bytes: float = float(XLA_COMBINE_BYTES)
     #: Under FSDP the embedding and the head are blocks of their own (testbed.model.blocks.own_blocks).
     fsdp_edge_blocks: bool = True
+    #: The gradient all-reduces run beside the backward's compute where the device's compiler holds them in program
+    #: order (XLA:TPU by default, DeviceSpec.held_collectives): the flags a run sets to overlap them
+    #: (``xla_tpu_enable_data_parallel_all_reduce_opt`` with ``..._different_sized_ops``, or a SparseCore offload).
+    async_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -193,7 +197,7 @@ class RuntimeSpec:
                      "fp8_head", "pad_sequence_shards", "moe_sequence_dispatch", "moe_padded_dropless", "cast_weights",
                      "microbatch_scan", "allreduce_combiner", "fsdp_edge_blocks", "sp_gathered_inputs",
                      "in_place_collectives", "grad_hooks", "weight_grads_last", "limit_aware_compile",
-                     "kept_norm_inputs", "kept_layout_copies", "fused_residual_adds", "compiler_buffers"):
+                     "kept_norm_inputs", "kept_layout_copies", "fused_residual_adds", "compiler_buffers", "async_all_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")

@@ -187,7 +187,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
             gradients' (XLA:TPU: testbed.sim.xla.xla_tpu.regathers_for_recompute).
         narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weights and activations only matmuls read in bf16, over
             a whole slice small buffers as merged all-reduces, and (``vector_lanes``; 0: none) rank-1 leaves too
-            (testbed.sim.xla.xla_tpu). held: the collective kinds played in program order with the compute."""
+            (testbed.sim.xla.xla_tpu). held: the collective kinds played in program order with the compute
+            (DeviceSpec.held_collectives; :func:`held_kinds`)."""
     mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
     schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
                                                                                                order_of(schedule))
@@ -222,7 +223,13 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                      params_ways=sharding.ways(plan, "params"), optimizer_ways=o_ways, per_microbatch=per_microbatch,
                      reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates,
                      tied_bytes=tied_copy_bytes(plan, reduce_bytes(plan, grad_b)),
-                     accumulate_op=accumulate_op(per_microbatch, mesh, whole_slice_scatters), held=frozenset(held))
+                     accumulate_op=accumulate_op(per_microbatch, mesh, whole_slice_scatters), held=held_kinds(plan, held))
+
+
+def held_kinds(plan: Plan, held) -> frozenset[str]:
+    """The device's held collective kinds (DeviceSpec.held_collectives) but all-reduces where the plan's run overlaps
+    them with the backward (``runtime.async_all_reduce``: its XLA flags)."""
+    return frozenset(held) - ({"all_reduce"} if plan.runtime.async_all_reduce else set())
 
 
 class FactsKey(NamedTuple):

@@ -54,6 +54,7 @@ block's gathers; what the next block waits for includes them).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from testbed.model.leaves import backward_waits
@@ -171,6 +172,7 @@ def _spans(spans: tuple, block: float, flops: float, k: int, needs: tuple[int | 
     return deps, done
 
 
+@functools.lru_cache(maxsize=4096)  # pure, of values: plans alike in a chunk's blocks play them alike (a search's many)
 def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str, sequence_parallel: bool,
                 has_embedding: bool, buckets: tuple[tuple[tuple[int, ...], ...], ...] | None,
                 needs: tuple[tuple[int | None, ...], ...] | None,
