@@ -50,11 +50,34 @@ def test_xla_tpu_data_all_reduces_hold_the_compute_stream() -> None:
 
 
 def test_only_the_compilers_that_block_name_blocking_kinds() -> None:
-    """XLA:TPU blocks its all-reduces alone; XLA:CPU every kind (DeviceSpec.synchronous_collectives); the superpod's
-    XLA:GPU none (asynchronous collectives)."""
+    """XLA:TPU blocks its all-reduces, reduce-scatters and all-to-alls (and v5p its all-gathers); XLA:CPU every kind
+    (DeviceSpec.synchronous_collectives); the superpod's XLA:GPU none (asynchronous collectives)."""
     assert load_topology("dgx-h100-superpod").device.blocking_collectives() == frozenset()
-    assert load_topology("tpu-v5e-16x16").device.blocking_collectives() == {"all_reduce"}
+    assert load_topology("tpu-v5e-16x16").device.blocking_collectives() == {"all_reduce", "reduce_scatter",
+                                                                              "all_to_all"}
+    assert load_topology("tpu-v5p-2x4x4").device.blocking_collectives() == {"all_reduce", "reduce_scatter",
+                                                                              "all_to_all", "all_gather"}
     assert load_topology("host-cpu-8").device.blocking_collectives() >= {"all_reduce", "all_gather"}
+
+
+def test_xla_tpus_blocking_kinds_are_the_ones_its_recorded_compiles_never_run_asynchronously() -> None:
+    """Per TPU family, the kinds of the recorded compiles (benchmarks/xla_tpu/) none of whose instructions is
+    asynchronous are the device's blocking kinds among the kinds recorded there (v5p's compiles hold no all-to-all)."""
+    import json
+    from pathlib import Path
+
+    seen: dict[tuple[str, str], list[int]] = {}
+    for path in (Path(__file__).resolve().parent.parent / "benchmarks" / "xla_tpu").glob("*.json"):
+        report = json.loads(path.read_text()).get("report") or {}
+        for program in report.get("programs") or ():
+            for c in program["collectives"]:
+                counts = seen.setdefault((report["target"].split(":")[1], c["kind"].replace("-", "_")), [0, 0])
+                counts[0], counts[1] = counts[0] + c["instructions"], counts[1] + c["async"]
+    topologies = {"v5e": "tpu-v5e-16x16", "v5p": "tpu-v5p-2x4x4"}
+    for family, name in topologies.items():
+        recorded = {kind for (f, kind), (n, _) in seen.items() if f == family and n}
+        never = {kind for (f, kind), (n, a) in seen.items() if f == family and n and not a}
+        assert never == load_topology(name).device.blocking_collectives() & recorded, (family, never)
 
 
 def test_the_blocking_data_step_agrees_with_the_plan_on_a_tpu_slice() -> None:

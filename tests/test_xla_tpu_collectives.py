@@ -175,5 +175,5 @@ def test_xla_tpu_runs_every_all_reduce_blocking_and_the_rule_says_so():
     recorded = result["recorded_plan_compiles"]
     assert recorded["instructions"] > 100 and recorded["asynchronous"] == 0
     for path in sorted((ROOT / "topologies").glob("tpu-v5*.yaml")):
-        assert load_topology(path).device.blocking_collectives() == {"all_reduce"}, path.name
+        assert "all_reduce" in load_topology(path).device.blocking_collectives(), path.name
     assert load_topology("dgx-h100-superpod").device.blocking_collectives() == frozenset()

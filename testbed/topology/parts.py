@@ -9,8 +9,8 @@ from types import MappingProxyType
 
 from testbed.errors import InputError
 
-__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION", "RANGES", "BF16_MATMULS",
-           "BUFFER_RULES", "XLA_CPU_WIDENED"]
+__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION", "XLA_TPU_BLOCKING",
+           "XLA_TPU_BLOCKING_GATHERS", "RANGES", "BF16_MATMULS", "BUFFER_RULES", "XLA_CPU_WIDENED"]
 
 #: Stated ranges of a topology's rates and times: far beyond any hardware on both sides, and narrow enough
 #: that no byte count or FLOP count of a plan divided by them overflows or divides by zero.
@@ -305,21 +305,20 @@ class DeviceSpec:
     def blocking_collectives(self) -> frozenset[str]:
         """The collective kinds (testbed.sim.xla.workload.COLLECTIVE_KINDS spelling) the compiler runs as blocking ops
         in program order with the device's compute, none overlapping it: every kind where its collectives are
-        synchronous (:meth:`synchronous_collectives`, XLA:CPU); all-reduces on XLA:TPU (``buffer_rules: xla-tpu``:
-        every all-reduce of the recorded compiles, benchmarks/xla_tpu/, is a plain ``all-reduce``, no
-        ``all-reduce-start``/``-done`` pair or async collective fusion chain, and libtpu 0.0.42 places a data-parallel
-        gradient bucket as soon as its gradients are ready, among the backward's matmuls, with nothing beside it:
-        benchmarks/xla_tpu_probes/allreduce_schedule.json). A traced program's such collective waits for the compute
-        issued before it, and the compute after it for the collective (testbed.sim.graph.traced_graph); the plan's
-        tiers read it through :meth:`held_collectives`."""
+        synchronous (:meth:`synchronous_collectives`, XLA:CPU); on XLA:TPU (``buffer_rules: xla-tpu``)
+        :data:`XLA_TPU_BLOCKING`, and all-gathers too on the families of :data:`XLA_TPU_BLOCKING_GATHERS`. A traced
+        program's such collective waits for the compute issued before it, and the compute after it for the
+        collective (testbed.sim.graph.traced_graph); the plan's tiers read it through :meth:`held_collectives`."""
         if self.synchronous_collectives():
             return frozenset(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute"))
-        return frozenset(("all_reduce",)) if self.buffer_rules == "xla-tpu" else frozenset()
+        if self.buffer_rules != "xla-tpu":
+            return frozenset()
+        return XLA_TPU_BLOCKING | ({"all_gather"} if self.name in XLA_TPU_BLOCKING_GATHERS else frozenset())
 
     def held_collectives(self) -> frozenset[str]:
         """The collective kinds the plan's tiers play in program order with the compute (testbed.sim.step.step_rules.
         held_stream): :meth:`blocking_collectives` where the compiler runs the others asynchronously (XLA:TPU's
-        all-reduces: a whole slice's parameter gathers and gradient reduce-scatters lowered as all-reduces,
+        all-reduces, reduce-scatters and all-to-alls: a whole slice's parameter gathers and gradient reduce-scatters lowered as all-reduces,
         testbed.sim.xla.xla_tpu, hold the compute as the traced tier's do). None where every collective is synchronous
         (XLA:CPU): the host's plan prices its collectives on their calibrated streams and shared-host barriers
         (testbed.topology.host_calibration, testbed.sim.price.barriers), fitted with them there."""
@@ -330,6 +329,18 @@ class DeviceSpec:
         kernels (XLA:TPU, ``buffer_rules: xla-tpu``: benchmarks/tpu_chip/programs.json; testbed.sim.xla.matmul_fusion)."""
         return self.buffer_rules == "xla-tpu"
 
+
+#: The collective kinds XLA:TPU runs blocking, with the device's compute, under libtpu's default flags: every
+#: all-reduce, reduce-scatter and all-to-all of the recorded compiles (benchmarks/xla_tpu/, libtpu 0.0.42.1: 273
+#: all-reduces, 105 reduce-scatters, 20 all-to-alls on v5e and v5p slices) is a plain op, no ``-start``/``-done`` pair
+#: or async collective fusion chain (collective-permutes: 72 of 72 asynchronous); libtpu 0.0.42 places a data-parallel
+#: gradient bucket as soon as its gradients are ready, among the backward's matmuls, with nothing beside it
+#: (benchmarks/xla_tpu_probes/allreduce_schedule.json).
+XLA_TPU_BLOCKING = frozenset(("all_reduce", "reduce_scatter", "all_to_all"))
+
+#: The TPU families whose all-gathers XLA:TPU runs blocking too: v5p's 194 of the recorded compiles are all plain
+#: ops, where 286 of v5e's 524 run as async collective fusion chains beside the compute.
+XLA_TPU_BLOCKING_GATHERS = frozenset(("TPU-v5p",))
 
 #: in-network reduction a level may declare -> the link kind whose switches do it.
 IN_NETWORK_REDUCTION = {"nvls": LinkKind.NVSWITCH, "sharp": LinkKind.INFINIBAND}
