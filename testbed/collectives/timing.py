@@ -31,6 +31,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from testbed.hashed import HashedTuple
 from testbed.collectives.algorithms import ALGORITHMS, GRID_ALGORITHMS, SUPPORTED_OPS, parse_algorithm
 from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, memoized, parallel_copies, place_program,
                                         profile, program_flows, routed_cost, topology_memo)
@@ -218,7 +219,7 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
 
     ``algorithm='auto'`` picks the fastest applicable algorithm.
     """
-    if type(groups) is not _Groups:
+    if type(groups) is not HashedTuple:
         groups = tuple(map(tuple, groups))
     nbytes = float(nbytes)
     memo = topology_memo(topology)
@@ -282,7 +283,7 @@ def _auto_algorithms(topology: Topology, op: Op, groups: tuple[tuple[int, ...], 
 
 def _all_grids(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> bool:
     """Whether every group but the first is a grid (:func:`testbed.collectives.routed.group_grid`), memoized per
-    topology on the groups (hashed once: :class:`_Groups`): every size of one set of groups asks it again."""
+    topology on the groups (hashed once: :class:`~testbed.hashed.HashedTuple`): every size of one set of groups asks it again."""
     return memoized(topology, "all_grids", groups,
                     lambda: all(group_grid(topology, g) is not None for g in groups[1:]), limit=10_000)
 
@@ -327,24 +328,12 @@ def _routed_timing(topology: Topology, op: Op, algorithm: str, groups: tuple[tup
                             groups=len(groups), closed_form=closed is not None)
 
 
-class _Groups(tuple):
-    """Groups of ranks as :func:`groups_time` reads them (tuples of Python ints), hashed once: its memo keys hold
-    the groups, and at 16,384 devices each hash of thousands of groups costs more than the pricing it saves."""
-
-    def __hash__(self) -> int:
-        try:
-            return self._hash
-        except AttributeError:
-            self._hash = tuple.__hash__(self)
-            return self._hash
-
-
-def _normalized(groups: Sequence[Sequence[int]]) -> _Groups:
-    """Whole numbers (numpy ranks as Python ints), as one hashed-once :class:`_Groups` (map: no Python frame per
+def _normalized(groups: Sequence[Sequence[int]]) -> HashedTuple:
+    """Whole numbers (numpy ranks as Python ints), as one hashed-once :class:`~testbed.hashed.HashedTuple` (map: no Python frame per
     group of thousands)."""
-    if type(groups) is _Groups:
+    if type(groups) is HashedTuple:
         return groups
-    return _Groups(map(tuple, map(functools.partial(map, operator.index), groups)))
+    return HashedTuple(map(tuple, map(functools.partial(map, operator.index), groups)))
 
 
 def timed_groups(topology: Topology, groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from testbed.hashed import HashedTuple
 from testbed.collectives.bounds import max_injection_bandwidth
 from testbed.collectives.routed import memoized, topology_memo
 from testbed.model.costs import ChunkCost
@@ -225,7 +226,7 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
     kinds = ("F", "B", "W") if split else ("F", "B")
     priced: dict[tuple, dict[tuple[int, str], float]] = {}
     memo = topology_memo(topology).setdefault("chunk_floors", {})
-    shared = _HashedOnce(_chunk_key(plan, split, dtype))  # in every chunk's key below
+    shared = HashedTuple(_chunk_key(plan, split, dtype))  # in every chunk's key below
     moe = _moe_chunks(plan.model, p, v, plan.stage_layers) if plan.model.experts else None
     per = chunk_counts(plan.stage_layers, v)
     accumulates = accumulate_bytes(plan, 1, 1.0) > 0  # each microbatch adds into the accumulator: by chunk params
@@ -268,17 +269,6 @@ def _accumulate_floor(plan: Plan, topology: Topology, params: int) -> float:
     0 where there is none)."""
     nbytes = accumulate_bytes(plan, params, state_bytes_per_param(plan)[1])
     return compute_seconds(topology, plan.precision.compute_dtype, 0.0, nbytes) if nbytes > 0 else 0.0
-
-
-class _HashedOnce(tuple):
-    """A key tuple hashed once (its model and runtime are hashed field by field, for every chunk of every plan)."""
-
-    def __hash__(self) -> int:
-        try:
-            return self._hash
-        except AttributeError:
-            self._hash = tuple.__hash__(self)
-            return self._hash
 
 
 def _chunk_key(plan: Plan, split: bool, dtype: str) -> tuple:
