@@ -71,11 +71,20 @@ def test_the_step_time_max_meets_the_chip_goal() -> None:
     assert _worst(STEPS, STEP[1]) == [], STEPS
 
 
-@pytest.mark.xfail(strict=True, reason="the MaxText proxies' memory is +23% to +48% over XLA:TPU's "
-                                       "(128B's shard -12.5%), not explained; the Fuji proxies are within 6%")
+@pytest.mark.xfail(strict=True, reason="against XLA:TPU's total proxy-maxtext16b-v5e-l2 is -12.9% and "
+                                       "proxy-maxtext128b-v5e-l2 -35.9% (median 3.3%): their heaps' fragmentation "
+                                       "above the live peak, which testbed does not price")
 def test_the_memory_meets_the_chip_goal() -> None:
     assert statistics.median(abs(e) for e in MEMORIES.values()) <= MEMORY[0]
     assert max(abs(e) for e in MEMORIES.values()) <= MEMORY[1]
+
+
+def test_the_memory_meets_the_chip_goal_against_xlas_peak() -> None:
+    """Against XLA:TPU's peak (the arguments plus the most temporaries live at once, what testbed's instants
+    price) every proxy meets the chip's memory goal."""
+    peaks = _errors(_memory, lambda row: row["memory"]["peak"])
+    assert statistics.median(abs(e) for e in peaks.values()) <= MEMORY[0], peaks
+    assert _worst(peaks, MEMORY[1]) == [], peaks
 
 
 def test_the_fuji_proxies_memory_is_within_the_goal() -> None:

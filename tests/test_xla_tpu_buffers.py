@@ -180,13 +180,32 @@ def test_an_fp32_loss_reads_the_kept_logits_on_a_tpu() -> None:
 
 def test_weight_gradients_wait_for_the_backwards_end_on_a_tpu() -> None:
     """A step that reduces its gradients over devices holds no weight gradient at any backward instant on XLA:TPU
-    (the combined all-reduces follow the backward), the head's included: its peak counts no gradients."""
+    (the combined all-reduces follow the backward), the head's included: its peak counts no gradients. On one
+    device each matrix's update is fused into its gradient's matmul: no gradient either, where XLA:CPU's
+    interleaved step holds them; a microbatch loop's accumulator is held on both."""
     plan = _plan(remat="none", mesh={"data": 16})
     assert memory_breakdown(plan, TPU).grads == 0
     single = _plan(remat="none", mesh={"data": 1}, batch=2)
     chip = target_topology(parse_target("tpu:v5e:1x1"))
     assert chip.device.buffer_rules == "xla-tpu"
-    assert memory_breakdown(single, chip).grads > 0  # one device reduces nothing: interleaved
+    assert memory_breakdown(single, chip).grads == 0
+    assert memory_breakdown(single, _as_cpu_rules(chip)).grads > 0  # one device reduces nothing: interleaved
+    assert memory_breakdown(_plan(remat="none", mesh={"data": 1}, batch=2, mb=2), chip).grads > 0
+
+
+def test_a_parallel_blocks_branches_are_recomputed_one_at_a_time_on_a_tpu() -> None:
+    """Full remat of a parallel block on XLA:TPU: the layer's backward holds the larger of its attention's and its
+    MLP's recompute and transients, not both (proxy-maxtext16b-v5e-l1's buffer assignment); a serial block
+    keeps the whole layer's recompute beside the larger transient."""
+    serial = _plan(remat="full", mesh={"data": 1}, batch=2)
+    parallel = replace(serial, model=replace(serial.model, parallel_block=True))
+    assert xla_tpu.parallel_branches(parallel) and not xla_tpu.parallel_branches(serial)
+    ws = workspace.layer_workspace(parallel, tpu=True)
+    spec, n = parallel.model, parallel.microbatch_size * parallel.model.seq_len
+    mlp = 2 * (2 * n * spec.d_model + n * spec.mlp_matrices * spec.d_ff)  # bf16 hidden gradients, two residuals
+    attention = xla_tpu.attention_recompute_bytes(parallel) + workspace.attention_workspace(parallel, True)
+    assert ws == max(attention, mlp) and attention != mlp
+    assert ws < xla_tpu.recompute_workspace_bytes(parallel) + workspace.sublayer_workspace(parallel, True)
 
 
 def test_single_chip_memory_matches_xla_tpus_recorded_compiles() -> None:

@@ -86,12 +86,25 @@ def layer_workspace(plan: Plan, tpu: bool = False) -> int:
     whole ``[tokens, d_model]`` buffers) are live beside what remat recomputes, never beside those transients
     (benchmarks/xla_tpu/: at the softmax backward of gpt2k-data4-tensor4-full, llama4k-fsdp256-tensor4 and
     llama4k-fsdp64-tensor4-sp one residual-sized buffer, the flowing gradient, beside the two score-sized ones)."""
-    recompute = xla_tpu.recompute_workspace_bytes(plan) if tpu else kept.recompute_workspace_bytes(plan)
     tensor = kept.tensor_collective_workspace(plan)
+    if tpu and xla_tpu.parallel_branches(plan):  # one branch recomputed and differentiated at a time
+        attention = xla_tpu.attention_recompute_bytes(plan) + attention_workspace(plan, tpu)
+        return max(attention, _hidden_workspace(plan), tensor // norms(rank_spec(plan))) + moe.dispatch_workspace(plan)
+    recompute = xla_tpu.recompute_workspace_bytes(plan) if tpu else kept.recompute_workspace_bytes(plan)
     if tpu:
         transients = max(sublayer_workspace(plan, tpu), tensor // norms(rank_spec(plan)))
         return transients + recompute + moe.dispatch_workspace(plan)
     return sublayer_workspace(plan, tpu) + recompute + tensor + moe.dispatch_workspace(plan)
+
+
+def _hidden_workspace(plan: Plan) -> int:
+    """The MLP backward's transients: its hidden gradients (``mlp_matrices`` ``[tokens, d_ff / t]`` buffers) and
+    two residual-sized ones (the residual stream's shards under SP), or an MoE layer's experts'."""
+    spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
+    n = plan.microbatch_size * spec.seq_len
+    residual = 2 * n * spec.d_model  # SP: the residual stream's shards
+    residual = sequence_share(residual, spec.seq_len, t) if plan.sequence_parallel else residual
+    return max(c * (residual + n * spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
 
 
 def sublayer_workspace(plan: Plan, tpu: bool = False) -> int:
@@ -100,11 +113,7 @@ def sublayer_workspace(plan: Plan, tpu: bool = False) -> int:
     the attention's begins (XLA:CPU's scheduled steps in ``benchmarks/memory_vs_xla.py``: no MLP-backward buffer
     is live in the attention backward but the weight-gradient operands :func:`kept.deferred_backward_bytes`
     counts)."""
-    spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
-    n = plan.microbatch_size * spec.seq_len
-    residual = 2 * n * spec.d_model  # SP: the residual stream's shards
-    residual = sequence_share(residual, spec.seq_len, t) if plan.sequence_parallel else residual
-    hidden = max(c * (residual + n * spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
+    hidden = _hidden_workspace(plan)
     attention = attention_workspace(plan, tpu)
     if plan.mesh.context > 1 and not splash_kernel(plan):  # the ring's messages beside a later step's tiles
         tiles = flash_tile(plan) * (2 * costs.FLASH_BYTES + plan.precision.compute_bytes)

@@ -20,6 +20,11 @@ runner's step compiled deviceless for ``v5e`` slices, ``benchmarks/memory_vs_xla
   logits-sized fp32 buffer at the loss (:func:`head_kept_bytes`, :func:`loss_workspace_bytes`); no block's
   recompute is scheduled beside it and no logits-sized buffer waits for a deferred weight gradient.
 
+Under full remat a parallel block's backward recomputes and differentiates its attention branch, then its MLP
+branch, holding the larger of the two (:func:`parallel_branches`); on one device no weight gradient is held at
+the loss's or a layer's backward (each matrix's update runs in its gradient's matmul, the token table's and the
+norms' after the backward: testbed.model.memory).
+
 A layer's attention backward writes one score-sized buffer, the probabilities' gradient, and the scores'
 gradient over the probabilities it owns (testbed.model.workspace.attention_workspace); its tensor collectives
 follow the dots that free those buffers (testbed.model.workspace.layer_workspace); under fsdp the loss holds the
@@ -43,7 +48,7 @@ from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, Plan, Remat
 
 __all__ = ["applies", "layer_kept_bytes", "kept_flash_bytes", "splash_copies_bytes", "scan_flash_fp32_bytes", "recompute_workspace_bytes",
-           "head_kept_bytes", "loss_workspace_bytes"]
+           "parallel_branches", "attention_recompute_bytes", "head_kept_bytes", "loss_workspace_bytes"]
 
 
 def applies(plan: Plan, buffer_rules: str) -> bool:
@@ -149,6 +154,32 @@ def recompute_workspace_bytes(plan: Plan) -> int:
         return 0
     norm_inputs = (norms(rank_spec(plan)) - 1) * plan.precision.compute_bytes * _residual(plan)
     return layer_kept_bytes(replace(plan, remat=Remat.NONE)) - norm_inputs
+
+
+def parallel_branches(plan: Plan) -> bool:
+    """Whether a layer's backward under full remat recomputes and differentiates its attention and its MLP one
+    after the other: a parallel block (``model.parallel_block``: both branches read the one norm's output and
+    their outputs are summed, so neither branch's backward reads the other's values). XLA:TPU's buffer
+    assignment of proxy-maxtext16b-v5e-l1 (benchmarks/tpu_chip/proxies/, compiled deviceless for v5e): at the
+    splash kernel's backward Q, K, V and the output's gradient in the kernel's layout and the kernel's outputs,
+    no MLP-sized buffer; at the MLP's backward its recomputed hidden and the activation's gradient, no
+    attention buffer (proxy-maxtext128b-v5e-l2 alike)."""
+    return plan.remat is Remat.FULL and plan.model.parallel_block and not saves_dots(plan)
+
+
+def attention_recompute_bytes(plan: Plan) -> int:
+    """What a parallel block's attention branch recomputes for its backward under full remat
+    (:func:`parallel_branches`): Q, K, V and the attention output once (split over the tensor ranks, GQA's K and
+    V whole where the degree does not divide ``kv_heads``), the flash row log-sum-exp, or plain attention's
+    probabilities; the flowing gradient beside them (one residual-sized buffer)."""
+    spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
+    b = plan.microbatch_size
+    n = b * spec.seq_len
+    kv = 2 * n * spec.kv_dim // (t if spec.kv_split(t) else 1)
+    values = 2 * n * spec.q_dim // t + kv + _residual(plan)
+    if spec.attention is Attention.FLASH:
+        return c * values + FLASH_BYTES * b * spec.heads * spec.seq_len // t
+    return c * (values + b * spec.heads * spec.score_rows * spec.seq_len // t)
 
 
 def _logits(plan: Plan) -> int:
