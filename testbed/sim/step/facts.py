@@ -187,8 +187,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
             gradients' (XLA:TPU: testbed.sim.xla.xla_tpu.regathers_for_recompute).
         narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weights and activations only matmuls read in bf16, over
             a whole slice small buffers as merged all-reduces, and (``vector_lanes``; 0: none) rank-1 leaves too
-            (testbed.sim.xla.xla_tpu). held: the collective kinds played in program order with the compute
-            (DeviceSpec.held_collectives; :func:`held_kinds`)."""
+            (testbed.sim.xla.xla_tpu). held: the kinds played in order with the compute (:func:`held_kinds`)."""
     mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
     schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
                                                                                                order_of(schedule))
