@@ -168,8 +168,7 @@ def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0, floors: di
     the model states of the fullest-looking stage (:func:`testbed.model.memory.state_floor`, the same for
     every schedule, microbatch count and remat of a mesh, so kept in ``floors`` across calls when given),
     then those stages' whole peak bytes (:func:`testbed.model.memory.stage_memory`). Neither changes which
-    plans fit: a plan is dropped only when some device of it overflows (``plays``: estimate's memo of plays;
-    ``checked``: the caller found neither bound overflowing, :func:`_overflows`).
+    plans fit: a plan is dropped only when a device overflows (``plays``: its memo; ``checked``: no bound overflows).
     """
     if not checked and _overflows(plan, topology, memory_cap, floors):
         return None
