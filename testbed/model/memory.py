@@ -77,7 +77,7 @@ from testbed.model.gathered import (_gathered_at, _layer_params_per_device, _sta
 from testbed.model.ring import rank_spec
 from testbed.pipeline.schedules import build_schedule, held_by_gradient_chunks, peak_inflight
 from testbed.plan.spec import Plan, Precision, Remat
-from testbed.plan.sharding import gradient_reduction, reduction_axes, state_sharding
+from testbed.plan.sharding import gradient_reduction, state_sharding
 from testbed.topology import Topology
 
 __all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_microbatches", "state_bytes_per_param",
@@ -357,11 +357,7 @@ def _one_microbatch_instants(plan: Plan, stage: int, live: _Live, defer: bool, t
     # combined all-reduces that follow the backward (gpt1k-data4 and -fp32 of benchmarks/xla_tpu/, live ranges).
     deferred = kept.deferred_backward_bytes(plan, holds_head) if defer and not tpu else 0
     later = defer and kept.weight_grads_deferred(plan)
-    # XLA:TPU's fused updates (testbed.topology.DeviceSpec.fused_updates) on one device: each matrix is updated in
-    # its gradient's matmul epilogue, the token table and the norms after the backward; no weight gradient is
-    # live at the loss's or a layer's backward (the buffer assignments of llama400m-bf16-full, AdamW, and of
-    # proxy-maxtext16b-v5e-l1, SGD, compiled deviceless for v5e: no weight-gradient buffer at either instant).
-    fused = tpu and plan.mesh.stage == 1 and not plan.model.experts and not reduction_axes(plan)
+    fused = tpu and xla_tpu.updates_in_epilogue(plan)  # no weight gradient live at any instant
     later = later or fused
     at_loss = head_block_bytes(plan, stage) if tpu and plan.schedule.virtual_stages == 1 else live.gathered
     instants = [(live.acts, 0 if later and tpu else head_grads, _work(live.loss, (GATHERED, at_loss)))]

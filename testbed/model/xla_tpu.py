@@ -45,6 +45,7 @@ from testbed.model.flash_kernel import LANES, AttentionKernel, tpu_kernel
 from testbed.model.kept import (DOTS_POLICIES, dots_saved_bytes, flash_kept_bytes, keeps_flash_under_full, saves_dots,
                                 saves_flash_residuals, xla_program)
 from testbed.model.ring import rank_spec
+from testbed.plan.sharding import reduction_axes
 from testbed.plan.spec import Attention, Plan, Remat
 
 __all__ = ["applies", "layer_kept_bytes", "kept_flash_bytes", "splash_copies_bytes", "scan_flash_fp32_bytes", "recompute_workspace_bytes",
@@ -205,3 +206,14 @@ def loss_workspace_bytes(plan: Plan) -> int:
     if plan.precision.compute_bytes >= LOSS_BYTES:
         return 0
     return LOSS_BYTES * _logits(plan)
+
+
+def updates_in_epilogue(plan: Plan) -> bool:
+    """Whether XLA:TPU (DeviceSpec.fused_updates) runs each weight matrix's optimizer update in the epilogue of its
+    gradient's matmul: one microbatch, one stage, no experts and no gradient summed over devices (the chip's per-op
+    profiles, benchmarks/tpu_chip/profiles.json: one output fusion per matrix). Then no weight gradient is live at
+    the loss's or a layer's backward (the buffer assignments of llama400m-bf16-full, AdamW, and of
+    proxy-maxtext16b-v5e-l1, SGD, compiled for v5e). The timing (testbed.sim.step.update_facts.fused_update) and the
+    memory (testbed.model.memory) both read this."""
+    return (plan.batch.microbatches == 1 and plan.mesh.stage == 1 and not plan.model.experts
+            and not reduction_axes(plan))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from testbed.model import costs, layout
+from testbed.model import costs, layout, xla_tpu
 from testbed.model.param_spec import Part
 from testbed.model.leaves import moved_elements, parameter_collectives
 from testbed.model.memory import state_bytes_per_param
@@ -110,7 +110,7 @@ def fused_update(plan: Plan, s: int) -> int:
     fusion with its gradient's convolution, which takes the two one after the other (:func:`update_seconds`); the
     token table (its gradient a scatter), the norms and an accumulated (the loop's sum) or reduced gradient are
     updated apart."""
-    if plan.batch.microbatches > 1 or reduction_axes(plan) or plan.model.experts or plan.mesh.stage > 1:
+    if not xla_tpu.updates_in_epilogue(plan):
         return 0
     held = layout.chunk_params(plan.model, s, 0, 1)
     return sum(copies * p.device_elements(plan.mesh.tensor) for p, copies in held
