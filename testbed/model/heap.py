@@ -13,11 +13,14 @@ free gap among the buffers then live that holds it, else just above the highest 
 the recorded compiles' dumped live ranges (benchmarks/xla_tpu_heap.py) gives XLA:TPU's heap more nearly than XLA's
 open-source default, decreasing size regardless of time (``GlobalDecreasingSizeBestFitHeap``), which packs the
 same buffers tighter than XLA:TPU does; it reproduces most of the fsdp steps' fragmentation (a freed gap a few MB
-too small for the next layer-sized buffer) but not all of the data-parallel steps'.
+too small for the next layer-sized buffer) but not all of the data-parallel steps'. testbed.model.step_heap places
+the memory model's own buffers of a step this way. A buffer of no bytes takes no room.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from dataclasses import dataclass
 
 __all__ = ["Buffer", "Heap", "place", "live_peak", "heap"]
@@ -60,29 +63,55 @@ class Heap:
         return self.size + self.fragmentation
 
 
-def _best_gap(live: list[tuple[int, int]], size: int) -> int:
-    """The offset of the smallest gap between the ``(offset, end)`` spans (sorted) that holds ``size`` bytes (the
-    lowest such gap on a tie), else the end of the highest span."""
-    best, top = None, 0
-    for offset, end in live:
-        gap = offset - top
-        if gap >= size and (best is None or gap < best[0]):
-            best = (gap, top)
-        top = max(top, end)
-    return top if best is None else best[1]
+def _best_gap(gaps: list[list[int]], size: int) -> int | None:
+    """The index of the smallest free gap (``[offset, end)``, sorted by offset) that holds ``size`` bytes, the
+    lowest such gap on a tie; None when none does."""
+    best = None
+    for i, (offset, end) in enumerate(gaps):
+        if end - offset >= size and (best is None or end - offset < gaps[best][1] - gaps[best][0]):
+            best = i
+    return best
+
+
+def _free(gaps: list[list[int]], offset: int, end: int, top: int) -> int:
+    """Free ``[offset, end)``: joined with the free gaps it touches, or with the space above ``top`` when it
+    reaches it; the new top."""
+    i = bisect.bisect_left(gaps, [offset, end])
+    if i < len(gaps) and gaps[i][0] == end:  # the gap just above
+        end = gaps.pop(i)[1]
+    if i > 0 and gaps[i - 1][1] == offset:  # the gap just below
+        offset = gaps.pop(i - 1)[0]
+        i -= 1
+    if end >= top:
+        return offset
+    gaps.insert(i, [offset, end])
+    return top
 
 
 def place(buffers: tuple[Buffer, ...] | list[Buffer]) -> tuple[int, ...]:
-    """Each buffer's offset, placed in schedule order (by start, larger first) at the best-fitting gap among the
-    buffers live at its start (:func:`_best_gap`)."""
+    """Each buffer's offset, placed in schedule order (by start, larger first) at the smallest gap among the
+    buffers live at its start that holds it (the lowest on a tie), else just above the highest of them: the
+    buffers whose last instruction is before its start freed first, their gaps joined (:func:`_free`)."""
     order = sorted(range(len(buffers)), key=lambda i: (buffers[i].start, -buffers[i].size, i))
     offsets = [0] * len(buffers)
-    live: list[tuple[int, int, int]] = []  # (offset, end offset, last instruction)
+    gaps: list[list[int]] = []  # free [offset, end) below the top, sorted by offset
+    ends: list[tuple[int, int]] = []  # (last instruction, buffer) of the live buffers, a heap
+    top = 0
     for i in order:
         buffer = buffers[i]
-        live = [span for span in live if span[2] >= buffer.start]
-        offsets[i] = _best_gap(sorted((o, e) for o, e, _ in live), buffer.size)
-        live.append((offsets[i], offsets[i] + buffer.size, buffer.end))
+        while ends and ends[0][0] < buffer.start:
+            j = heapq.heappop(ends)[1]
+            top = _free(gaps, offsets[j], offsets[j] + buffers[j].size, top)
+        at = _best_gap(gaps, buffer.size) if buffer.size else None
+        if at is None:
+            offsets[i], top = top, top + buffer.size
+        else:
+            offsets[i] = gaps[at][0]
+            gaps[at][0] += buffer.size
+            if gaps[at][0] == gaps[at][1]:
+                gaps.pop(at)
+        if buffer.size:
+            heapq.heappush(ends, (buffer.end, i))
     return tuple(offsets)
 
 
