@@ -63,55 +63,76 @@ class Heap:
         return self.size + self.fragmentation
 
 
-def _best_gap(gaps: list[list[int]], size: int) -> int | None:
-    """The index of the smallest free gap (``[offset, end)``, sorted by offset) that holds ``size`` bytes, the
-    lowest such gap on a tie; None when none does."""
-    best = None
-    for i, (offset, end) in enumerate(gaps):
-        if end - offset >= size and (best is None or end - offset < gaps[best][1] - gaps[best][0]):
-            best = i
-    return best
+class _Gaps:
+    """The free gaps below the top of a heap being placed, by offset (to join a freed buffer with its neighbours)
+    and by size (the smallest that holds a buffer, the lowest on a tie, found by bisection)."""
 
+    def __init__(self) -> None:
+        self.offsets: list[int] = []  # sorted
+        self.ends: dict[int, int] = {}  # offset -> end
+        self.sizes: list[tuple[int, int]] = []  # sorted (size, offset)
 
-def _free(gaps: list[list[int]], offset: int, end: int, top: int) -> int:
-    """Free ``[offset, end)``: joined with the free gaps it touches, or with the space above ``top`` when it
-    reaches it; the new top."""
-    i = bisect.bisect_left(gaps, [offset, end])
-    if i < len(gaps) and gaps[i][0] == end:  # the gap just above
-        end = gaps.pop(i)[1]
-    if i > 0 and gaps[i - 1][1] == offset:  # the gap just below
-        offset = gaps.pop(i - 1)[0]
-        i -= 1
-    if end >= top:
+    def _add(self, offset: int, end: int) -> None:
+        bisect.insort(self.offsets, offset)
+        self.ends[offset] = end
+        bisect.insort(self.sizes, (end - offset, offset))
+
+    def _remove(self, offset: int) -> int:
+        end = self.ends.pop(offset)
+        del self.offsets[bisect.bisect_left(self.offsets, offset)]
+        del self.sizes[bisect.bisect_left(self.sizes, (end - offset, offset))]
+        return end
+
+    def take(self, size: int) -> int | None:
+        """The offset of the smallest gap that holds ``size`` bytes (the lowest on a tie), its rest left free;
+        None when none does."""
+        k = bisect.bisect_left(self.sizes, (size, -1))
+        if k == len(self.sizes):
+            return None
+        offset = self.sizes[k][1]
+        end = self._remove(offset)
+        if end > offset + size:
+            self._add(offset + size, end)
         return offset
-    gaps.insert(i, [offset, end])
-    return top
+
+    def free(self, offset: int, end: int, top: int) -> int:
+        """Free ``[offset, end)``: joined with the gaps it touches, or with the space above ``top`` when it reaches
+        it; the new top."""
+        if end in self.ends:  # the gap just above
+            end = self._remove(end)
+        below = bisect.bisect_left(self.offsets, offset) - 1
+        if below >= 0 and self.ends[self.offsets[below]] == offset:  # the gap just below
+            lower = self.offsets[below]
+            self._remove(lower)
+            offset = lower
+        if end >= top:
+            return offset
+        self._add(offset, end)
+        return top
 
 
 def place(buffers: tuple[Buffer, ...] | list[Buffer]) -> tuple[int, ...]:
     """Each buffer's offset, placed in schedule order (by start, larger first) at the smallest gap among the
     buffers live at its start that holds it (the lowest on a tie), else just above the highest of them: the
-    buffers whose last instruction is before its start freed first, their gaps joined (:func:`_free`)."""
+    buffers whose last instruction is before its start freed first, their gaps joined (:class:`_Gaps`)."""
     order = sorted(range(len(buffers)), key=lambda i: (buffers[i].start, -buffers[i].size, i))
     offsets = [0] * len(buffers)
-    gaps: list[list[int]] = []  # free [offset, end) below the top, sorted by offset
+    gaps = _Gaps()
     ends: list[tuple[int, int]] = []  # (last instruction, buffer) of the live buffers, a heap
     top = 0
     for i in order:
         buffer = buffers[i]
         while ends and ends[0][0] < buffer.start:
             j = heapq.heappop(ends)[1]
-            top = _free(gaps, offsets[j], offsets[j] + buffers[j].size, top)
-        at = _best_gap(gaps, buffer.size) if buffer.size else None
+            top = gaps.free(offsets[j], offsets[j] + buffers[j].size, top)
+        if not buffer.size:
+            offsets[i] = top
+            continue
+        at = gaps.take(buffer.size)
         if at is None:
-            offsets[i], top = top, top + buffer.size
-        else:
-            offsets[i] = gaps[at][0]
-            gaps[at][0] += buffer.size
-            if gaps[at][0] == gaps[at][1]:
-                gaps.pop(at)
-        if buffer.size:
-            heapq.heappush(ends, (buffer.end, i))
+            at, top = top, top + buffer.size
+        offsets[i] = at
+        heapq.heappush(ends, (buffer.end, i))
     return tuple(offsets)
 
 
