@@ -55,3 +55,18 @@ def test_a_buffer_out_of_range_is_refused(start, end, size):
 def test_a_heap_smaller_than_its_live_bytes_is_refused():
     with pytest.raises(ValueError):
         Heap(size=10, live=20)
+
+
+def test_freed_neighbours_join_into_one_gap():
+    """A and B (10 B each) are freed together at instruction 3: one 20-byte gap below C, which D (20 B) fills."""
+    held = [Buffer(0, 2, 10), Buffer(0, 2, 10), Buffer(0, 9, 5), Buffer(3, 9, 20)]
+    assert place(held) == (0, 10, 20, 0)
+    assert heap(held) == Heap(size=25, live=25)
+
+
+def test_a_buffer_of_no_bytes_takes_no_room_and_a_freed_top_lowers_the_top():
+    """Z (no bytes) splits no gap; B, the highest buffer, freed at 2: C (15 B) starts where B did."""
+    held = [Buffer(0, 5, 10), Buffer(0, 9, 0), Buffer(0, 1, 10), Buffer(2, 9, 15)]
+    offsets = place(held)
+    assert (offsets[0], offsets[2], offsets[3]) == (0, 10, 10)
+    assert heap(held) == Heap(size=25, live=25)

@@ -87,20 +87,31 @@ def test_out_of_memory_verdicts_agree():
 
 OVER = [f"{r['plan']} {r['error']:+.1%}" for r in ROWS if abs(r["error"]) > 0.10]
 
-SLACK = ("XLA:TPU's temporaries beyond its live peak (twice its heap's fragmentation: benchmarks/xla_tpu_heap.py): "
-         "testbed prices the live peak, within 15% here")
 #: The recorded multi-chip plans whose memory is still over 10% from XLA:TPU's total, by what testbed does not model
-#: (docs/xla_tpu.md, "Known differences").
-MEMORY_APART = {name: SLACK for name in (
-    "gpt1k-fsdp16-context4", "gpt2k-fsdp1024-full", "gpt2k-fsdp16-full", "gpt2k-fsdp16-tensor4-sp", "gpt2k-fsdp256-full",
-    "gpt2k-fsdp8-tensor8-sp", "llama1b-fsdp256-flash", "llama2k-fsdp4-tensor4-sp", "llama2k-fsdp64",
-    "llama4k-fsdp256-tensor4")}
+#: (docs/xla_tpu.md, "Known differences"): testbed places its own buffers of the step (testbed.model.step_heap),
+#: XLA:TPU its finer ones, so the fragmentation counted twice differs (XLA:TPU's: benchmarks/xla_tpu_heap.json).
+MEMORY_APART = {
+    "gpt1k-fsdp4-full": "testbed's placement leaves 74 MB free below the loss's fp32 buffer, XLA:TPU's 17 MB",
+    "gpt2k-fsdp256-full": "testbed's placement leaves 80 MB of gaps at the loss, XLA:TPU's 141 MB",
+    "llama2k-fsdp16-fp32-selective": "testbed's placement leaves 115 MB of gaps, XLA:TPU's 43 MB, over a live peak "
+                                     "10% above XLA's",
+    "llama2k-fsdp4-tensor4-sp": "XLA:TPU's temp exceeds its heap by 63 MB, more than the heap's 30 MB of "
+                                "fragmentation (libtpu's report, one of 4 recorded compiles off by over 1%)",
+    "llama4k-fsdp256-tensor4": "testbed's placement leaves no gap at the first layer backward, XLA:TPU's 220 MB, "
+                               "beside a live peak 11% above XLA's",
+}
 
 
 def test_memory_is_within_10_percent_but_on_the_named_plans():
     """Every recorded multi-chip plan within 10% of XLA:TPU's memory but those :data:`MEMORY_APART` names, and each
     of those still over (a plan that comes within is taken off the list)."""
     assert sorted(o.split()[0] for o in OVER) == sorted(MEMORY_APART), OVER
+
+
+def test_memory_median_within_the_issue_tolerance():
+    """Issue 54's median over the recorded multi-chip set: |error| against XLA:TPU's total <= 5%, the heap's
+    fragmentation counted as libtpu reports it (testbed.model.step_heap)."""
+    assert MEDIAN <= 0.05, f"median |error| {MEDIAN:.1%}"
 
 
 @pytest.mark.xfail(strict=True, reason="memory vs XLA:TPU over {} recorded multi-chip plans: median |error| {:.1%}, "
@@ -110,12 +121,25 @@ def test_memory_within_the_issue_tolerance():
     assert MEDIAN <= 0.05 and MAX <= 0.10, f"median |error| {MEDIAN:.1%}, max {MAX:.1%}"
 
 
-def test_the_plans_apart_miss_by_xlas_heap_slack():
-    """Each plan :data:`MEMORY_APART` names is under XLA:TPU's total by less than the temporaries XLA holds beyond
-    its live peak, and within 15% of that peak."""
+def test_the_plans_apart_miss_by_the_heaps_placement():
+    """Each plan :data:`MEMORY_APART` names has its live peak within 15% of XLA:TPU's (``peak_memory``), and misses
+    XLA's total by less than the temporaries XLA holds beyond that peak and testbed's own fragmentation twice."""
     for row in (r for r in ROWS if r["plan"] in MEMORY_APART):
-        assert row["error"] < 0 and abs(row["error_vs_peak"]) <= 0.15, row["plan"]
-        assert row["xla"] - row["predicted"] < row["xla_slack"] + 0.10 * row["xla"], row["plan"]
+        assert abs(row["error_vs_peak"]) <= 0.15, row["plan"]
+        beyond = row["xla_slack"] + 2 * row["predicted_fragmentation"]
+        assert abs(row["xla"] - row["predicted"]) < beyond + 0.10 * row["xla"], row["plan"]
+
+
+def test_predicted_fragmentation_is_counted_twice_and_only_under_xla_tpus_heap():
+    """Every recorded row's memory is its live peak plus twice testbed's fragmentation; the fsdp steps of one
+    microbatch count some, the accumulating and pipelined steps none."""
+    for row in RESULT["plans"]:
+        parts = sum(row["predicted_parts"].values())
+        assert row["predicted"] == parts + 2 * row["predicted_fragmentation"], row["plan"]
+        record = next(r for r in OK if r.name == row["plan"])
+        if record.plan.batch.microbatches > 1 or record.plan.mesh.stage > 1:
+            assert row["predicted_fragmentation"] == 0, row["plan"]
+    assert all(r["predicted_fragmentation"] > 0 for r in ROWS if r["plan"] in ("llama2k-fsdp64", "llama2k-fsdp8"))
 
 
 PEAK = [r for r in ROWS if r["error_vs_peak"] is not None]

@@ -2,7 +2,8 @@
 
 Prints the worst device's breakdown (parameters, gradients, optimizer state,
 activations, workspace, total, capacity, fits) and one row per pipeline
-stage. Exit status 1 with ``--fail-if-oom`` when the plan does not fit.
+stage; under XLA:TPU's rules the total also holds twice the heap's
+fragmentation (``fragmentation``; ``live_peak`` the total without it). Exit status 1 with ``--fail-if-oom`` when the plan does not fit.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def _explained(plan, breakdown) -> list[str]:
     if breakdown.rematerialised_loss:
         lines.append("the loss's fp32 buffers are rematerialised: without that the program would not fit, as "
                      "XLA compiles against the device's limit (so memory can fall as the sequence grows)")
+    if breakdown.fragmentation:
+        lines.append(f"total = live peak {format_bytes(breakdown.live_peak)} + 2 x heap fragmentation "
+                     f"{format_bytes(breakdown.fragmentation)}: XLA:TPU's step places its temporaries in one heap, "
+                     "whose gaps libtpu reports in temp beside the heap (testbed.model.step_heap)")
     if breakdown.delayed_gathers:
         lines.append("no block's gather starts ahead at the peak: with the prefetch the program would not fit, "
                      "as XLA schedules against the device's limit")
@@ -62,7 +67,7 @@ def execute(args: argparse.Namespace) -> CommandResult:
         breakdown = memory_breakdown(plan, topology)
     except InputError as exc:
         raise exc.with_file(args.plan) from None
-    data = {**breakdown.as_dict(), "plan": plan.name, "topology": topology.name, "device": topology.device.name,
+    data = {**breakdown.as_dict(), "live_peak": breakdown.live_peak, "plan": plan.name, "topology": topology.name, "device": topology.device.name,
             "mesh_devices": plan.mesh.size, "topology_devices": topology.num_devices,
             "precision": plan.precision.value, "remat": plan.remat.value, "zero": plan.zero,
             "schedule": plan.schedule.name.value,

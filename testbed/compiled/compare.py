@@ -73,7 +73,7 @@ def compare_record(record: XlaRecord) -> dict[str, Any]:
             "argument": record.memory.argument, "output": record.memory.output, "temp": record.memory.temp,
             "alias": record.memory.alias, "peak": record.memory.peak},
         "error": predicted.total / record.memory_total - 1, "capacity": capacity,
-        **_live_peak(predicted.total, record),
+        "predicted_fragmentation": predicted.fragmentation, **_live_peak(predicted.live_peak, record),
         "predicted_fits": predicted.total <= capacity, "xla_fits": record.memory_total <= capacity,
         "predicted_collectives": mine, "xla_collectives": xla["collectives"],
         "collectives_equal": mine == xla["collectives"],
@@ -82,8 +82,8 @@ def compare_record(record: XlaRecord) -> dict[str, Any]:
 
 
 def _live_peak(predicted: int, record: XlaRecord) -> dict[str, Any]:
-    """testbed's memory beside XLA's peak (``peak_memory``: the arguments and the most bytes live at once, the
-    quantity the memory model's instants price) and what XLA's total holds beyond it (``xla_slack``: the
+    """testbed's live peak (its memory without the heap's fragmentation) beside XLA's peak (``peak_memory``: the
+    arguments and the most bytes live at once, the quantity the memory model's instants price) and what XLA's total holds beyond it (``xla_slack``: the
     temporaries beyond the live peak, its heap's placement; the recorded compiles' buffer assignments show
     it twice the heap's fragmentation: temp - heap = heap - live peak). None where XLA reports no peak
     (pipelines, whose total walks the schedule)."""

@@ -13,11 +13,14 @@ free gap among the buffers then live that holds it, else just above the highest 
 the recorded compiles' dumped live ranges (benchmarks/xla_tpu_heap.py) gives XLA:TPU's heap more nearly than XLA's
 open-source default, decreasing size regardless of time (``GlobalDecreasingSizeBestFitHeap``), which packs the
 same buffers tighter than XLA:TPU does; it reproduces most of the fsdp steps' fragmentation (a freed gap a few MB
-too small for the next layer-sized buffer) but not all of the data-parallel steps'.
+too small for the next layer-sized buffer) but not all of the data-parallel steps'. testbed.model.step_heap places
+the memory model's own buffers of a step this way. A buffer of no bytes takes no room.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from dataclasses import dataclass
 
 __all__ = ["Buffer", "Heap", "place", "live_peak", "heap"]
@@ -60,29 +63,76 @@ class Heap:
         return self.size + self.fragmentation
 
 
-def _best_gap(live: list[tuple[int, int]], size: int) -> int:
-    """The offset of the smallest gap between the ``(offset, end)`` spans (sorted) that holds ``size`` bytes (the
-    lowest such gap on a tie), else the end of the highest span."""
-    best, top = None, 0
-    for offset, end in live:
-        gap = offset - top
-        if gap >= size and (best is None or gap < best[0]):
-            best = (gap, top)
-        top = max(top, end)
-    return top if best is None else best[1]
+class _Gaps:
+    """The free gaps below the top of a heap being placed, by offset (to join a freed buffer with its neighbours)
+    and by size (the smallest that holds a buffer, the lowest on a tie, found by bisection)."""
+
+    def __init__(self) -> None:
+        self.offsets: list[int] = []  # sorted
+        self.ends: dict[int, int] = {}  # offset -> end
+        self.sizes: list[tuple[int, int]] = []  # sorted (size, offset)
+
+    def _add(self, offset: int, end: int) -> None:
+        bisect.insort(self.offsets, offset)
+        self.ends[offset] = end
+        bisect.insort(self.sizes, (end - offset, offset))
+
+    def _remove(self, offset: int) -> int:
+        end = self.ends.pop(offset)
+        del self.offsets[bisect.bisect_left(self.offsets, offset)]
+        del self.sizes[bisect.bisect_left(self.sizes, (end - offset, offset))]
+        return end
+
+    def take(self, size: int) -> int | None:
+        """The offset of the smallest gap that holds ``size`` bytes (the lowest on a tie), its rest left free;
+        None when none does."""
+        k = bisect.bisect_left(self.sizes, (size, -1))
+        if k == len(self.sizes):
+            return None
+        offset = self.sizes[k][1]
+        end = self._remove(offset)
+        if end > offset + size:
+            self._add(offset + size, end)
+        return offset
+
+    def free(self, offset: int, end: int, top: int) -> int:
+        """Free ``[offset, end)``: joined with the gaps it touches, or with the space above ``top`` when it reaches
+        it; the new top."""
+        if end in self.ends:  # the gap just above
+            end = self._remove(end)
+        below = bisect.bisect_left(self.offsets, offset) - 1
+        if below >= 0 and self.ends[self.offsets[below]] == offset:  # the gap just below
+            lower = self.offsets[below]
+            self._remove(lower)
+            offset = lower
+        if end >= top:
+            return offset
+        self._add(offset, end)
+        return top
 
 
 def place(buffers: tuple[Buffer, ...] | list[Buffer]) -> tuple[int, ...]:
-    """Each buffer's offset, placed in schedule order (by start, larger first) at the best-fitting gap among the
-    buffers live at its start (:func:`_best_gap`)."""
+    """Each buffer's offset, placed in schedule order (by start, larger first) at the smallest gap among the
+    buffers live at its start that holds it (the lowest on a tie), else just above the highest of them: the
+    buffers whose last instruction is before its start freed first, their gaps joined (:class:`_Gaps`)."""
     order = sorted(range(len(buffers)), key=lambda i: (buffers[i].start, -buffers[i].size, i))
     offsets = [0] * len(buffers)
-    live: list[tuple[int, int, int]] = []  # (offset, end offset, last instruction)
+    gaps = _Gaps()
+    ends: list[tuple[int, int]] = []  # (last instruction, buffer) of the live buffers, a heap
+    top = 0
     for i in order:
         buffer = buffers[i]
-        live = [span for span in live if span[2] >= buffer.start]
-        offsets[i] = _best_gap(sorted((o, e) for o, e, _ in live), buffer.size)
-        live.append((offsets[i], offsets[i] + buffer.size, buffer.end))
+        while ends and ends[0][0] < buffer.start:
+            j = heapq.heappop(ends)[1]
+            top = gaps.free(offsets[j], offsets[j] + buffers[j].size, top)
+        if not buffer.size:
+            offsets[i] = top
+            continue
+        at = gaps.take(buffer.size)
+        if at is None:
+            at, top = top, top + buffer.size
+        offsets[i] = at
+        heapq.heappush(ends, (buffer.end, i))
     return tuple(offsets)
 
 

@@ -3,64 +3,55 @@
 Model states follow the ZeRO paper (Rajbhandari et al., 2020), per parameter:
 
 - fp32: parameters 4 B, gradients 4 B, Adam moments 2 x 4 B;
-- bf16-mixed: bf16 parameters 2 B, bf16 gradients 2 B, fp32 master weights
-  4 B and fp32 moments 2 x 4 B (counted as optimizer state, so sharded
-  like the moments): 16 B in all. The JAX runner holds exactly these
-  (testbed.runner.precision: bf16 parameters and gradient accumulators, the master
-  beside the moments in the optimizer state).
+- bf16-mixed: bf16 parameters 2 B, bf16 gradients 2 B, fp32 master weights 4 B and fp32 moments 2 x 4 B (counted as
+  optimizer state, so sharded like the moments): 16 B in all. The JAX runner holds exactly these
+  (testbed.runner.precision: bf16 parameters and gradient accumulators, the master beside the moments in the
+  optimizer state).
 
-Sharding of model states, on top of the tensor split and the pipeline split
-(each device holds only its stage's layers, see ``testbed.model.costs``): the fsdp
-axis shards parameters, gradients and optimizer state; ZeRO over the data
-axis shards the optimizer state (stage 1), also the gradients (2), also the
-parameters (3). Each parameter is sharded by ``testbed.model.layout``'s one
-rule, the runner's: along its largest free dim the shard count divides, or
-flattened and padded (``ceil(elements / ways)`` per device, the padding
-counted), so any rank count shards (ZeRO's and FSDP's flat buffers).
+Sharding of model states, on top of the tensor split and the pipeline split (each device holds only its stage's
+layers, see ``testbed.model.costs``): the fsdp axis shards parameters, gradients and optimizer state; ZeRO over the
+data axis shards the optimizer state (stage 1), also the gradients (2), also the parameters (3). Each parameter is
+sharded by ``testbed.model.layout``'s one rule, the runner's: along its largest free dim the shard count divides, or
+flattened and padded (``ceil(elements / ways)`` per device, the padding counted), so any rank count shards (ZeRO's
+and FSDP's flat buffers).
 
-Activations: the bytes one microbatch-chunk keeps for its backward
-(``testbed.model.kept``: ``testbed.model.activations``' sets under the stack's
-mechanisms, ``plan.runtime``, plus the head's) times the (microbatch, chunk)
-pairs a stage holds at peak, which the pipeline schedule decides
-(:func:`inflight_microbatches`).
+Activations: the bytes one microbatch-chunk keeps for its backward (``testbed.model.kept``:
+``testbed.model.activations``' sets under the stack's mechanisms, ``plan.runtime``, plus the head's) times the
+(microbatch, chunk) pairs a stage holds at peak, which the pipeline schedule decides (:func:`inflight_microbatches`).
 
-Workspace: buffers live only inside one phase, never across microbatches —
-the loss backward (softmax of the logits and their gradient, fp32), one
-layer's backward (the larger of its score-matrix and its MLP-hidden gradients, plus what remat
-recomputes, plus the operands of the weight gradients an XLA step computes after the layers' backward:
-``testbed.model.kept.deferred_backward_bytes``; not in a row over the device's capacity, which XLA schedules
-against its limit), the out-of-place data-parallel gradient reduction, a
-microbatch's whole gradients before they join the accumulator (one-program
-accumulation loops; pipelines only when they reduce-scatter), and with
-sharded parameters (fsdp, ZeRO-3) the gathered weights: one block at a
-time plus the ``runtime.fsdp_prefetch`` blocks gathered ahead, forward and
-backward (:func:`gathered_bytes`; the backward gathers again).
+Workspace: buffers live only inside one phase, never across microbatches — the loss backward (softmax of the logits
+and their gradient, fp32), one layer's backward (the larger of its score-matrix and its MLP-hidden gradients, plus
+what remat recomputes, plus the operands of the weight gradients an XLA step computes after the layers' backward:
+``testbed.model.kept.deferred_backward_bytes``; not in a row over the device's capacity, which XLA schedules against
+its limit), the out-of-place data-parallel gradient reduction, a microbatch's whole gradients before they join the
+accumulator (one-program accumulation loops; pipelines only when they reduce-scatter), and with sharded parameters
+(fsdp, ZeRO-3) the gathered weights: one block at a time plus the ``runtime.fsdp_prefetch`` blocks gathered ahead,
+forward and backward (:func:`gathered_bytes`; the backward gathers again).
 
-Context parallelism: activations and workspace are one context rank's
-(``seq_len / context`` tokens, as flash attention keeps them:
-``testbed.model.ring.rank_spec``), plus two ring messages in flight from the ring's second step on, beside that
-step's tiles (``ring_attention_workspace``); model states are replicated over ``context`` unless
+Context parallelism: activations and workspace are one context rank's (``seq_len / context`` tokens, as flash
+attention keeps them: ``testbed.model.ring.rank_spec``), plus two ring messages in flight from the ring's second step
+on, beside that step's tiles (``ring_attention_workspace``); model states are replicated over ``context`` unless
 ``runtime.shard_context`` shards them over it as over fsdp (testbed.plan.sharding).
 
 ``runtime.offload_activations``: the layers' kept sets live in host memory, two of them on the device in transit
 (:func:`testbed.model.kept.device_layer_sets`). ``runtime.fp8_params`` under fp8-mixed: fp8 parameters and their
 transposes (1 + 1 bytes) instead of bf16 parameters and per-step fp8 copies (2 + 2). ``runtime.state_dtype`` bf16
-under mixed precision: no fp32 master and bf16 moments (2 + 2 + 2 x moments bytes a parameter); ``runtime.cast_weights``
-(MaxText's fp32 ``weight_dtype``): the fp32 weights are the only copy, cast at each use (4 + 4 + 4 x moments held,
-:func:`held_state_bytes`).
+under mixed precision: no fp32 master and bf16 moments (2 + 2 + 2 x moments bytes a parameter);
+``runtime.cast_weights`` (MaxText's fp32 ``weight_dtype``): the fp32 weights are the only copy, cast at each use (4 +
+4 + 4 x moments held, :func:`held_state_bytes`).
 
-Against the device's memory limit an XLA program is compiled to fit where it can (:func:`compiler_floors`, each
-only when the program would not fit otherwise): the loss's fp32 buffers rematerialised (:func:`loss_floor_plan`),
-then no block's gather started ahead of the peak (:func:`prefetch_floor_plan`).
+Against the device's memory limit an XLA program is compiled to fit where it can (:func:`compiler_floors`, each only
+when the program would not fit otherwise): the loss's fp32 buffers rematerialised (:func:`loss_floor_plan`), then no
+block's gather started ahead of the peak (:func:`prefetch_floor_plan`).
 
 The runtime fields of the XLA program decide the terms only XLA's buffer assignment keeps (``testbed.model.kept``:
 tensor-parallel backward buffers, the residual summands under full remat) and ``runtime.grad_hooks`` how a
 microbatch's gradients live: XLA's step writes them whole before it reduces them, PyTorch's hooks accumulate
 replicated gradients in place and reduce-scatter sharded ones per block in the backward.
 
-The breakdown is taken at each stage's peak instant: without gradient
-accumulation (one microbatch) activations are freed layer by layer while
-gradients appear, so the two never peak together.
+The breakdown is taken at each stage's peak instant: without gradient accumulation (one microbatch) activations are
+freed layer by layer while gradients appear, so the two never peak together. Under XLA:TPU's rules such a step's
+total adds twice its heap's fragmentation, as libtpu reports ``temp`` (testbed.model.step_heap).
 """
 
 from __future__ import annotations
@@ -70,7 +61,7 @@ import math
 from dataclasses import dataclass
 
 from testbed.model import costs
-from testbed.model import kept, layout, moe, workspace, xla_tpu
+from testbed.model import kept, layout, moe, step_heap, workspace, xla_tpu
 from testbed.model.floors import compiler_floors, deepest_floor, loss_floor_plan, prefetch_floor_plan
 from testbed.model.gathered import (_gathered_at, _layer_params_per_device, _stage_blocks, gathered_bytes,
                                     head_block_bytes)
@@ -107,11 +98,8 @@ def held_state_bytes(plan: Plan) -> tuple[int, int, int]:
 
 
 def inflight_microbatches(plan: Plan) -> tuple[int, ...]:
-    """Per stage, the most (microbatch, chunk) activation sets held at once.
-
-    Taken from the schedule table of ``testbed.pipeline.schedules`` (the one the
-    simulator and runner execute).
-    """
+    """Per stage, the most (microbatch, chunk) activation sets held at once: from the schedule table of
+    ``testbed.pipeline.schedules`` (the one the simulator and runner execute)."""
     schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
                               plan.schedule.virtual_stages)
     return tuple(int(n) for n in peak_inflight(schedule))
@@ -131,14 +119,19 @@ class StageMemory:
     inflight: int
     #: The workspace's named terms at the peak instant (:data:`WORKSPACE_PARTS`), summing to ``workspace``.
     workspace_parts: tuple[tuple[str, int], ...] = ()
+    #: XLA:TPU's heap fragmentation (testbed.model.step_heap), in the total twice as libtpu reports it; 0 elsewhere.
+    fragmentation: int = 0
 
     def __post_init__(self) -> None:
         if self.workspace_parts and sum(b for _, b in self.workspace_parts) != self.workspace:
             raise ValueError("workspace must be the sum of its parts")
+        if self.fragmentation < 0:
+            raise ValueError(f"fragmentation is >= 0 bytes, got {self.fragmentation}")
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.workspace
+        """The live peak plus twice the heap's fragmentation (the heap's gaps, reported again in ``temp``)."""
+        return self.params + self.grads + self.optimizer + self.activations + self.workspace + 2 * self.fragmentation
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,19 +158,26 @@ class MemoryBreakdown:
     #: Whether the worst stage's row has no prefetched gathers (:func:`prefetch_floor_plan`): with them the
     #: plan's XLA program would not fit, so the scheduler starts no block's gather ahead at its peak.
     delayed_gathers: bool = False
+    #: The worst stage's XLA:TPU heap fragmentation (:attr:`StageMemory.fragmentation`), twice in ``total``.
+    fragmentation: int = 0
 
     def __post_init__(self) -> None:
-        if self.total != self.params + self.grads + self.optimizer + self.activations + self.workspace:
-            raise ValueError("total must be the sum of its parts")
+        if self.total != self.live_peak + 2 * self.fragmentation or self.fragmentation < 0:
+            raise ValueError("total must be the sum of its parts and twice the fragmentation (>= 0)")
+
+    @property
+    def live_peak(self) -> int:
+        """The most bytes live at once: the parts' sum, the total without the heap's fragmentation."""
+        return self.params + self.grads + self.optimizer + self.activations + self.workspace
 
     def as_dict(self) -> dict:
         """JSON-ready: the contract keys first, then per-stage rows."""
         keys = ("params_count", "device_params_count", "params", "grads", "optimizer", "activations", "workspace",
                 "total", "capacity", "fits", "worst_stage")
         out = {k: getattr(self, k) for k in keys}
-        for flag in ("rematerialised_loss", "delayed_gathers"):
+        for flag in ("rematerialised_loss", "delayed_gathers", "fragmentation"):
             if getattr(self, flag):
-                out[flag] = True
+                out[flag] = getattr(self, flag) if flag == "fragmentation" else True
         out["workspace_parts"] = dict(self.workspace_parts)
         out["per_stage"] = [{"stage": s.stage, "params_count": s.params_count, "params": s.params, "grads": s.grads,
                              "optimizer": s.optimizer, "activations": s.activations, "workspace": s.workspace,
@@ -281,12 +281,10 @@ def _kept_terms(plan: Plan, stage: int, tpu: bool) -> _KeptTerms:
 def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules: str = "xla") -> StageMemory:
     """Bytes on one device of ``stage`` at its peak instant.
 
-    With one microbatch the step does not accumulate gradients: the backward
-    frees each layer's activations as it writes that layer's gradients, so the
-    peak is the largest of the instants (end of forward, loss backward, each
-    layer's backward, after the backward). With several microbatches the
-    gradient buffer lives through the whole step, next to the in-flight
-    activations.
+    With one microbatch the step does not accumulate gradients: the backward frees each layer's activations as it
+    writes that layer's gradients, so the peak is the largest of the instants (end of forward, loss backward, each
+    layer's backward, after the backward). With several microbatches the gradient buffer lives through the whole
+    step, next to the in-flight activations.
     """
     mesh = plan.mesh
     p, v = mesh.stage, plan.schedule.virtual_stages
@@ -320,13 +318,14 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules
     live = _Live(layer_acts + head_acts, per_layer, grads, gathered, loss, layer, reduce_ws)
     if plan.batch.microbatches > 1:
         instants = _accumulating_instants(plan, stage, live, _microbatch_grads(plan, stage, held, gathered))
+        frag = 0
     else:
-        instants = _one_microbatch_instants(plan, stage, live, defer, terms.tpu)
+        instants, frag = _one_microbatch_instants(plan, stage, live, defer, terms.tpu)
     acts, live_grads, work = max(instants, key=lambda i: i[0] + i[1] + sum(b for _, b in i[2]))
     params = _param_bytes(plan, param_b, param_held, held, param_ways)
-    return StageMemory(stage=stage, params_count=param_held, params=params,
-                       grads=live_grads, optimizer=opt_b * opt_held, activations=acts,
-                       workspace=sum(b for _, b in work), inflight=inflight, workspace_parts=work)
+    return StageMemory(stage=stage, params_count=param_held, params=params, grads=live_grads,
+                       optimizer=opt_b * opt_held, activations=acts, workspace=sum(b for _, b in work),
+                       inflight=inflight, workspace_parts=work, fragmentation=frag)
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,9 +343,10 @@ class _Live:
     reduce_ws: int
 
 
-def _one_microbatch_instants(plan: Plan, stage: int, live: _Live, defer: bool, tpu: bool) -> list[tuple]:
+def _one_microbatch_instants(plan: Plan, stage: int, live: _Live, defer: bool, tpu: bool) -> tuple[list[tuple], int]:
     """The peak candidates of a step that accumulates nothing: the loss backward, each layer's backward (its
-    activations freed as it writes its gradients), after the backward; ``(activations, gradients, workspace)``."""
+    activations freed as it writes its gradients), after the backward; ``(activations, gradients, workspace)``;
+    and under XLA:TPU's rules on one stage the heap's fragmentation (testbed.model.step_heap), else 0."""
     layers, holds_head = plan.stage_layers[stage], stage == layout.head_holder(plan.mesh.stage,
                                                                               plan.schedule.virtual_stages)[0]
     grad_ways = state_sharding(plan).ways(plan, "grads")
@@ -367,7 +367,12 @@ def _one_microbatch_instants(plan: Plan, stage: int, live: _Live, defer: bool, t
                          0 if later else head_grads + (done + 1) * layer_grads,
                          _work(live.layer, (DEFERRED, deferred), (GATHERED, gathered_at(done + holds_head)))))
     instants.append((0, 0 if fused else live.grads, _work((REDUCTION, live.reduce_ws))))
-    return instants
+    if not tpu or plan.mesh.stage > 1:
+        return instants, 0
+    return instants, step_heap.fragmentation(plan, step_heap.StepTerms(
+        per_layer=live.per_layer, head=xla_tpu.head_kept_buffers(plan), loss=live.loss[1], layer=live.layer[1],
+        layer_grads=0 if fused else layer_grads, head_grads=0 if fused else head_grads, late_grads=later,
+        reduction=live.reduce_ws))
 
 
 def _microbatch_grads(plan: Plan, stage: int, held: int, gathered: int) -> int:
@@ -446,9 +451,8 @@ def _gradient_chunk_rows(name, stages: int, microbatches: int, virtual: int) -> 
 def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] | None = None) -> MemoryBreakdown:
     """Per-device bytes of ``plan`` (worst stage, at its peak instant), capacity from ``topology.device``.
 
-    ``inflight``: the schedule's per-stage peak of activation sets, when the
-    caller has it already (the plan search meets each table thousands of
-    times); by default :func:`inflight_microbatches` builds the table.
+    ``inflight``: the schedule's per-stage peak of activation sets, when the caller has it already (the plan search
+    meets each table thousands of times); by default :func:`inflight_microbatches` builds the table.
     """
     inflight = inflight_microbatches(plan) if inflight is None else inflight
     capacity = int(topology.device.memory_bytes)
@@ -461,7 +465,7 @@ def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] |
         grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
         total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
         per_stage=tuple(stages), workspace_parts=worst.workspace_parts, rematerialised_loss="rematerialised_loss" in taken,
-        delayed_gathers="delayed_gathers" in taken)
+        delayed_gathers="delayed_gathers" in taken, fragmentation=worst.fragmentation)
 
 
 def stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None,

@@ -49,7 +49,7 @@ from testbed.plan.sharding import reduction_axes
 from testbed.plan.spec import Attention, Plan, Remat
 
 __all__ = ["applies", "layer_kept_bytes", "kept_flash_bytes", "splash_copies_bytes", "scan_flash_fp32_bytes", "recompute_workspace_bytes",
-           "parallel_branches", "attention_recompute_bytes", "head_kept_bytes", "loss_workspace_bytes"]
+           "parallel_branches", "attention_recompute_bytes", "head_kept_bytes", "head_kept_buffers", "loss_workspace_bytes"]
 
 
 def applies(plan: Plan, buffer_rules: str) -> bool:
@@ -191,9 +191,15 @@ def _logits(plan: Plan) -> int:
 
 def head_kept_bytes(plan: Plan) -> int:
     """Bytes the head keeps per microbatch: its norm's input (under SP its sequence shard) and the logits in the
-    compute dtype."""
+    compute dtype (:func:`head_kept_buffers`)."""
+    return sum(head_kept_buffers(plan))
+
+
+def head_kept_buffers(plan: Plan) -> tuple[int, int]:
+    """The head's kept buffers per microbatch, bytes: its norm's input (under SP its sequence shard) and the
+    logits in the compute dtype."""
     c = plan.precision.compute_bytes
-    return c * _residual(plan) + c * _logits(plan)
+    return c * _residual(plan), c * _logits(plan)
 
 
 def loss_workspace_bytes(plan: Plan) -> int:
