@@ -35,9 +35,9 @@ the pipeline schedule table, stage by stage, with the same prices:
   ``tp_comm_overlap``'s chunks), before its gradient reductions leave.
 
 What it leaves out is what the DES adds: max-min link sharing between concurrent streams (gathers and reductions
-vs. sends), but for the collectives the compiler holds with the compute (XLA:TPU's all-reduces), which share the
-gathers' links as the DES shares them (testbed.explore.held_blocks), and a shared host's share varying as stages
-idle. So the estimate is a fast, honest ranking signal,
+vs. sends), but for the collectives the compiler holds with the compute (XLA:TPU's all-reduces, v5p's all-gathers),
+which play on the compute stream and share the gathers' links as the DES shares them (testbed.explore.held_blocks),
+and a shared host's share varying as stages idle. So the estimate is a fast, honest ranking signal,
 not the verdict: the search replays its best candidates with the DES (testbed.explore.search). Memory comes from
 testbed.model.memory exactly.
 """
