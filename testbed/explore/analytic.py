@@ -15,7 +15,9 @@ the pipeline schedule table, stage by stage, with the same prices:
 - fsdp/ZeRO-3 parameter gathers run block by block on their own stream, at
   most ``runtime.fsdp_prefetch`` blocks ahead of the compute: an action of
   ``n`` blocks waits for its first block's gather, then runs a block every
-  ``max(gather, compute)`` per block (``gather + compute`` without prefetch);
+  ``max(gather, compute)`` per block (``gather + compute`` without prefetch); those the compiler holds with
+  the compute (testbed.sim.step.step_rules.held_stream: v5p's all-gathers, a slice's lowered all-reduces) run on
+  the compute stream before their block instead (testbed.explore.held_blocks);
 - activations and gradients cross stages with ``send_time`` on the sender's
   pipe stream (serial, as the program's);
 - under context parallelism an action is priced as the task graph splits
@@ -35,9 +37,9 @@ the pipeline schedule table, stage by stage, with the same prices:
   ``tp_comm_overlap``'s chunks), before its gradient reductions leave.
 
 What it leaves out is what the DES adds: max-min link sharing between concurrent streams (gathers and reductions
-vs. sends), but for the collectives the compiler holds with the compute (XLA:TPU's all-reduces), which share the
-gathers' links as the DES shares them (testbed.explore.held_blocks), and a shared host's share varying as stages
-idle. So the estimate is a fast, honest ranking signal,
+vs. sends), but for the collectives the compiler holds with the compute (XLA:TPU's all-reduces, v5p's all-gathers),
+which play on the compute stream and share the gathers' links as the DES shares them (testbed.explore.held_blocks),
+and a shared host's share varying as stages idle. So the estimate is a fast, honest ranking signal,
 not the verdict: the search replays its best candidates with the DES (testbed.explore.search). Memory comes from
 testbed.model.memory exactly.
 """

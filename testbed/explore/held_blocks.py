@@ -1,10 +1,12 @@
-"""The analytic tier's blocks of an action that gathers block by block and whose gradient reductions the compiler
-runs blocking (testbed.sim.step.step_rules.held_stream: XLA:TPU's all-reduces), played as the task graph plays them:
-each block computes once its gather is done, then its held reductions run on the compute stream; each block's gather
-runs on its own stream once the block testbed.sim.step.step_rules.gather_after names has computed. A held reduction and
-the gather in flight beside it share their links as the task graph's engine shares them (testbed.sim.price.contention
-.shared_factor, asked through ``factor``): both run at that share of their speed while both are in flight, so the
-held reduction, which the next block's compute waits for, ends later by what the gather beside it takes of the links.
+"""The analytic tier's blocks of an action that gathers block by block and whose gradient reductions or parameter
+gathers the compiler runs blocking (testbed.sim.step.step_rules.held_stream: XLA:TPU's all-reduces, v5p's all-gathers
+too), played as the task graph plays them: on the compute stream each block's held gathers run once the block
+testbed.sim.step.step_rules.gather_after names has computed, then the block computes once its gathers on the gather
+stream are done too, then its held reductions run; each block's other gathers run on their own stream once that block
+has computed. A held collective and the gather in flight beside it share their links as the task graph's engine shares
+them (testbed.sim.price.contention.shared_factor, asked through ``factor``): both run at that share of their speed
+while both are in flight, so the held collective, which the next compute waits for, ends later by what the gather
+beside it takes of the links.
 """
 
 from __future__ import annotations
@@ -84,24 +86,32 @@ class _Gathers:
 
 def held_blocks(gathers: Sequence[Sequence[Part]], parts: Sequence[float], held: Sequence[Sequence[Part]],
                 start: float, gather_free: float, before: list[float], prefetch: int,
-                factor: Callable[[Transfer, Transfer], float]) -> HeldPlay:
-    """The blocks (module docstring): block ``i``'s merged ``gathers``, its compute ``parts[i]`` from ``start`` on,
-    then its ``held`` reductions; the gathers from ``gather_free`` on (``before``, ``prefetch``: gather_after's);
+                factor: Callable[[Transfer, Transfer], float], held_gathers: Sequence[Sequence[Part]] = ()
+                ) -> HeldPlay:
+    """The blocks (module docstring): block ``i``'s merged ``gathers`` on the gather stream, and on the compute stream
+    its ``held_gathers`` (empty: none), its compute ``parts[i]`` from ``start`` on once its gathers are done, then its
+    ``held`` reductions; the gathers from ``gather_free`` on (``before``, ``prefetch``: gather_after's);
     ``factor(a, b)``: the share of their speed two transfers in flight together run at."""
     n = len(parts)
     g, ends, took = _Gathers(gathers, gather_free), [], []
-    t, i, phase, left, h = min(start, gather_free), 0, 0, 0.0, 0  # phase 0: waits, 1: computes, 2: held reductions
+    own = held_gathers or ((),) * n
+    # phase 0: waits, 1: computes, 2: held reductions, 3: held gathers; h: the held collective in flight
+    t, i, phase, left, h, wake = min(start, gather_free), 0, 0, 0.0, 0, start
 
     def after(k: int) -> float | None:
         return gather_after(k, prefetch, ends, before) or 0.0 if k - 1 - prefetch < len(ends) else None
     while i < n:
         pending = g.begin(t, after)
-        if phase == 0 and len(g.done) > i and t >= start:
-            phase, left = 1, parts[i]
-        key = held[i][h][1] if phase == 2 else None
+        if phase == 0:
+            wake = max(start, after(i) or 0.0)  # known: block i - 1 - prefetch has computed
+            if t >= wake and h < len(own[i]):
+                phase, left = 3, own[i][h][0]
+            elif t >= wake and len(g.done) > i:
+                phase, left = 1, parts[i]
+        key = held[i][h][1] if phase == 2 else own[i][h][1] if phase == 3 else None
         other = g.key()
         rate = factor(key, other) if key is not None and other is not None else 1.0
-        dt = min(pending - t, start - t if phase == 0 and t < start else math.inf,
+        dt = min(pending - t, wake - t if phase == 0 and t < wake else math.inf,
                  left / rate if phase else math.inf, g.left / rate if g.left is not None else math.inf)
         if not math.isfinite(dt):  # the compute waits for a gather still in flight
             raise RuntimeError("held_blocks: nothing left to play")  # unreachable: a gather is in flight or pending
@@ -115,10 +125,13 @@ def held_blocks(gathers: Sequence[Sequence[Part]], parts: Sequence[float], held:
                     phase, h = 2, 0
                 else:
                     h += 1
-                if h < len(held[i]):
-                    left = held[i][h][0]
-                    continue
-                took.append(t - ends[i])
-                phase, i = 0, i + 1
+                queue = own[i] if phase == 3 else held[i]
+                if h < len(queue):
+                    left = queue[h][0]
+                elif phase == 3:  # the block's held gathers done: it waits for those on the gather stream
+                    phase = 0
+                else:
+                    took.append(t - ends[i])
+                    phase, i, h = 0, i + 1, 0
     flying = list(zip(g.begun, g.done))
     return HeldPlay(ends, took, g.done[-1] if g.done else gather_free, flying)

@@ -136,7 +136,7 @@ class Play:
         block's merged collectives; the embedding's and the head's blocks), else equal shares (:meth:`_gathered_blocks`).
         Where its gradients (``grads``) leave bucket by bucket, one a block, and the compiler holds their reductions
         (or reduce-scatters into the accumulator) with the compute, each block's run after it beside the later
-        gathers (:meth:`_held_blocks`)."""
+        gathers (:meth:`_held_blocks`), as where the compiler holds some of its gathers with the compute."""
         n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
         g, c = priced.gather / n, compute / n
         # Without prefetch each gather, exposed, first meets its group after a block's computing.
@@ -144,8 +144,8 @@ class Play:
         gathers = priced.block_gathers or (g,) * n
         parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
         held = priced.held_parts if grads.release else priced.scatter_parts if grads.each else ()
-        if priced.gather_parts and len(held) == n and not priced.plays:
-            return self._held_blocks(s, priced, held, wait, start, parts)
+        if priced.gather_parts and (len(held) == n or priced.held_gathers) and not priced.plays:
+            return self._held_blocks(s, priced, held if len(held) == n else (), wait, start, parts)
         return self._gathered_blocks(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts),
                                      priced.plays)
 
@@ -178,14 +178,17 @@ class Play:
 
     def _held_blocks(self, s: int, priced: ActionPrice, held: tuple, wait: float, start: float,
                      parts: tuple[float, ...]) -> tuple[float, float]:
-        """:meth:`_gather` of an action whose blocks' held reductions share links with the gathers beside them
-        (testbed.explore.held_blocks): the seconds each block's held reductions took are kept for
-        :meth:`_backward_end`, and the later blocks' waits for their gathers leave them out."""
+        """:meth:`_gather` of an action whose blocks' held reductions (``held``; empty: none played among the
+        blocks) or held gathers share links with the gathers beside them (testbed.explore.held_blocks): the seconds
+        each block's held reductions took are kept for :meth:`_backward_end`, and the later blocks' waits for their
+        gathers (held ones among them) leave them out."""
         gathers = tuple(((wait, None), *merges) if wait else merges for merges in priced.gather_parts)
         coll = self.step.coll
-        played = held_blocks(gathers, parts, held, start, self.gather_free[s], self.block_ends[s],
-                             self.facts.prefetch, lambda a, b: coll.factor(s, a, b))
-        self.played, self.held, self.gathered = None, played.held, played.flying if self.slowdown else []
+        played = held_blocks(gathers, parts, held or ((),) * len(parts), start, self.gather_free[s],
+                             self.block_ends[s], self.facts.prefetch, lambda a, b: coll.factor(s, a, b),
+                             priced.held_gathers)
+        self.played, self.held = None, played.held if held else None
+        self.gathered = played.flying if self.slowdown else []
         first = played.ends[0] - parts[0]
         self.comm[s] += first - start
         self.gather_free[s], self.block_ends[s] = played.gather_end, played.ends
@@ -338,8 +341,8 @@ class Play:
         if priced.plays and self.played is not None:
             return self._slowed_spans(s, priced, releases)
         # (the buckets are beside no compute when they wait for the end; blocks played with their held reductions,
-        # testbed.explore.held_blocks, are not played again: the extra is spread over the action's compute)
-        if not (priced.gather and priced.parts) or self.held is not None:
+        # or gathers, testbed.explore.held_blocks, are not played again: the extra is spread over the action's compute)
+        if not (priced.gather and priced.parts) or self.held is not None or priced.held_gathers:
             extra = rate * min(compute, beside_compute(self.step, priced, grads))
             late = extra - min(stretch, extra)
             return extra, stretch - min(stretch, extra), tuple((t + late * f, x, f) for t, x, f in releases)

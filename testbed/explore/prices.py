@@ -90,7 +90,8 @@ class ActionPrice(NamedTuple):
     scatter_held: float = 0.0  # an earlier microbatch's reduce-scatter seconds held with the compute
     held_parts: tuple[tuple[Part, ...], ...] = ()  # each bucket's held collectives (testbed.explore.held_blocks)
     scatter_parts: tuple[tuple[Part, ...], ...] = ()  # each bucket's held reduce-scatters of an earlier microbatch
-    gather_parts: tuple[tuple[Part, ...], ...] = ()  # each block's merged gathers, where reductions are held
+    gather_parts: tuple[tuple[Part, ...], ...] = ()  # each block's merged gathers on the gather stream (held_blocks)
+    held_gathers: tuple[tuple[Part, ...], ...] = ()  # each block's merged gathers held with the compute (held_blocks)
 
 
 class StepPrices:
@@ -129,7 +130,7 @@ class StepPrices:
                         self.prices[(s, c, work.kind)] = hit._replace(
                             sends=sends, send_s=sum(x.seconds for x in sends) if sends else 0.0)
                         continue
-                    gather, per_block, merges = 0.0, (), ()
+                    gather, per_block, merges, held = 0.0, (), (), ()
                     mode = gather_mode(facts, work)
                     if mode is GatherMode.WHOLE:
                         gather = self._gather_seconds(s, (chunk.moved.params, chunk.leaves), 1)
@@ -137,10 +138,12 @@ class StepPrices:
                         per_block = self._block_gather_seconds(s, chunk, work.kind)
                         gather = sum(per_block)
                     priced = self._price(s, chunk, work, rings[s], gather)
-                    if (priced.held_parts or priced.scatter_parts) and mode is GatherMode.BLOCKS:  # (held_blocks)
-                        merges = self._block_gather_parts(s, chunk, work.kind)
+                    if mode is GatherMode.BLOCKS:  # (held_blocks: where the compiler holds some with the compute)
+                        merges, held = self._block_gather_parts(s, chunk, work.kind,
+                                                                bool(priced.held_parts or priced.scatter_parts))
                     self.prices[(s, c, work.kind)] = alike[(key, work.kind)] = priced._replace(
-                        block_gathers=per_block if len(set(per_block)) > 1 else (), gather_parts=merges)
+                        block_gathers=per_block if len(set(per_block)) > 1 else (), gather_parts=merges,
+                        held_gathers=held)
 
     def played(self, s: int, c: int, kind: str, grads: Gradients) -> ActionPrice:
         """The price of chunk ``c``'s ``kind`` action on stage ``s`` as played with ``grads`` (testbed.sim.step.step_rules'
@@ -179,11 +182,24 @@ class StepPrices:
                 memo[block] = sum(count * time(op, axes, s, n) for (n, op), count in Counter(zip(*block)).items())
         return tuple(memo[block] for block in blocks)
 
-    def _block_gather_parts(self, s: int, chunk: ChunkFacts, kind: str) -> tuple[tuple[Part, ...], ...]:
-        """Each block's merged gathers of a ``kind`` action in program order (:meth:`_block_gather_seconds`' each)."""
-        time, axes = self.coll.time, self.facts.params_axes
-        return tuple(tuple((time(op, axes, s, n), (op, axes, n)) for n, op in zip(*block))
-                     for block in zip(chunk.gather_sizes(kind), chunk.gather_ops(kind)))
+    def _block_gather_parts(self, s: int, chunk: ChunkFacts, kind: str, held_reductions: bool
+                            ) -> tuple[tuple[tuple[Part, ...], ...], tuple[tuple[Part, ...], ...]]:
+        """Each block's merged gathers of a ``kind`` action in program order (:meth:`_block_gather_seconds`' each):
+        those on the gather stream and those the compiler holds with the compute (testbed.sim.step.step_rules.
+        held_stream), for testbed.explore.held_blocks; both empty where neither they nor the action's reductions
+        (``held_reductions``) are held."""
+        facts = self.facts
+        if not (held_reductions or facts.held):
+            return (), ()
+        ops = chunk.gather_ops(kind)
+        holds = tuple(tuple(held_stream(facts, op, "gather") == "compute" for op in block) for block in ops)
+        if not held_reductions and not any(map(any, holds)):
+            return (), ()
+        time, axes = self.coll.time, facts.params_axes
+        merges = tuple(tuple(((time(op, axes, s, n), (op, axes, n)), h) for n, op, h in zip(*block))
+                       for block in zip(chunk.gather_sizes(kind), ops, holds))
+        return (tuple(tuple(x for x, h in block if not h) for block in merges),
+                tuple(tuple(x for x, h in block if h) for block in merges) if any(map(any, holds)) else ())
 
     def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> ActionPrice:
         """One action's :class:`ActionPrice` (``gather``: the seconds of a gather of its chunk's parameters)."""

@@ -322,11 +322,11 @@ class _Graph(SpanPlay, GradPlay):
                 waits = by_span[k].waits if by_span else -1  # (the unlinked last layer's: testbed.sim.step.span_order)
                 gathered = self._gather_block(s, chunk, work.kind, name, k, pieces, ends,
                                               summed[waits] if waits >= 0 and summed[waits] >= 0 else None)
-                deps = [*deps, gathered] if gathered is not None else deps
+                deps = [*deps, *gathered]
             if by_span:  # span by span, each span's tensor collectives after it (testbed.sim.graph.span_play)
                 last, deps, tasks, done, sums = self._span_block(s, chunk, label, k, pieces, by_span[k], BlockWork(
                     flops, part, part_gemms, kernels // pieces, replicated, split), deps,
-                    self.merge_tasks if gathered is not None else None, scatter)
+                    self.merge_tasks if gathered else None, scatter)
                 computes += tasks
                 ends.append(done)
                 summed.append(sums)
@@ -355,16 +355,17 @@ class _Graph(SpanPlay, GradPlay):
         return last, computes
 
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
-                      ends: list[int], cotangent: int | None = None) -> int | None:
+                      ends: list[int], cotangent: int | None = None) -> tuple[int, ...]:
         """The all-gathers of block ``k`` of ``pieces`` of a chunk's sharded parameters (gather stream), each at its
         merged size (:meth:`ChunkFacts.gather_sizes`; one task per run of equal sizes, one after another), once block
         ``k - 1 - prefetch`` has finished (its weights freed: this action's block, or the stage's previous gathering
-        action's; ``ends`` this action's blocks so far). Returns the last (None: the block's leaves were merged
-        into an earlier block's collective); ``merge_tasks``: each merge's task (testbed.sim.graph.span_play waits for
+        action's; ``ends`` this action's blocks so far). Returns the last of each chain below (empty: the block's
+        leaves were merged into an earlier block's collective), what the block's compute waits for; ``merge_tasks``: each merge's task (testbed.sim.graph.span_play waits for
         the merges a span reads). ``cotangent``: a task the gathers wait for too (the head's summed input
         gradient, for the unlinked last layer's backward gather: testbed.sim.step.span_order.cotangent_block). The
         gathers the compiler lowers as all-reduces (ChunkFacts.gather_ops) chain apart from the all-gathers: XLA issues
-        each once its parameter is ready, and an all-reduce is not on the all-gathers' resource."""
+        each once its parameter is ready, and an all-reduce is not on the all-gathers' resource: a span waits for the
+        merges it reads, of either chain (testbed.sim.graph.span_play), not for the block's last."""
         rep, freed = self.reps[s], gather_after(k, self.facts.prefetch, ends, self.blocks_done.get(s, []))
         after = ((freed,) if freed is not None else ()) + ((cotangent,) if cotangent is not None else ())
         last: dict[bool, int] = {}  # the all-gathers' chain and the lowered all-reduces', apart
@@ -378,10 +379,7 @@ class _Graph(SpanPlay, GradPlay):
                                      nbytes=size, count=count,
                                      group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
             self.merge_tasks += [last[chain]] * count
-        if len(last) == 2:  # the block waits for both: an empty join of the two chains on the compute stream
-            last[True] = self.b.add(name=f"{name} gathered", device=rep, stream="compute",
-                                    kind=TaskKind.COMPUTE, deps=(last[True], last[False]))
-        return last.get(True, last.get(False))
+        return tuple(last[chain] for chain in (False, True) if chain in last)
 
     def _chain(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], buckets: int) -> int:
         """An MoE action under expert parallelism: its per-layer chain (testbed.sim.step.moe; the all-to-alls on the

@@ -87,17 +87,20 @@ class SpanPlay:
                     matmuls: BlockWork, deps: list[int], gathers: list[int] | None, accumulate: bool = False
                     ) -> tuple[int, list[int], int]:
         """Block ``k`` of ``pieces`` played (``play``; ``matmuls``: :meth:`_span`'s work; ``deps``: what it starts
-        after, the block's last gather last where it has one; ``gathers``: the task of each of the block's merged
-        gathers, None: it has none; ``accumulate``: its buckets are an earlier microbatch's reduce-scatters into
-        the sharded accumulator). Returns the block's last compute task, what the next block waits for, the compute
-        tasks, when the block is done and the task that sums its input gradient (``play.summed``'s; -1: none)."""
-        previous = deps[:-1] if gathers else deps
+        after, the last of each chain of the block's gathers among them where it has some; ``gathers``: the task of
+        each of the block's merged gathers, None: it has none; ``accumulate``: its buckets are an earlier
+        microbatch's reduce-scatters into the sharded accumulator). Returns the block's last compute task, what the
+        next block waits for, the compute tasks, when the block is done and the task that sums its input gradient
+        (``play.summed``'s; -1: none)."""
+        merges = set(gathers or ())
+        previous = [d for d in deps if d not in merges]
+        gathered = [d for d in deps if d in merges]  # the last of each chain: all of the block's gathers
 
         def token(d: int) -> list[int]:
             if d == START:
                 return deps
             if d == WAITING:
-                return gathers[-1:] if gathers else []
+                return gathered
             m = merge_of(d)
             return [*previous, gathers[min(m, len(gathers) - 1)]] if gathers and m >= 0 else previous
         ids: list[int] = []
