@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from testbed.errors import InputError
-from testbed.model import kept, workspace, xla_tpu
+from testbed.model import kept, layout, workspace, xla_tpu
 from testbed.model.memory import memory_breakdown
 from testbed.plan.runtime import PROFILES, RuntimeSpec
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
@@ -170,6 +170,31 @@ def test_at_the_loss_a_tpu_holds_the_head_block_alone() -> None:
     head = head_block_bytes(plan, 0)
     assert 0 < head < gathered_bytes(plan, 0)
     assert head_block_bytes(_plan(remat="full", mesh={"data": 16}), 0) == 0
+
+
+def test_under_fp32_a_tpu_holds_its_gathered_weight_matrices_in_bf16() -> None:
+    """XLA:TPU gathers an fp32 weight matrix only matmuls read in bf16 (testbed.model.gathered.matmul_element_bytes):
+    its gathered copies hold half the bytes, the norms' scales and the embedding's table their own; bf16-mixed
+    plans and matmuls at ``highest`` precision are as before, and the loss's forward head block is not narrowed."""
+    from testbed.model import step_heap
+    from testbed.model.blocks import narrowed
+    from testbed.model.gathered import _gathered_at, gathered_bytes, head_block_bytes
+
+    fp32 = _plan(remat="full", precision="fp32")
+    narrow, wide = gathered_bytes(fp32, 0, True), gathered_bytes(fp32, 0)
+    assert wide / 2 < narrow < wide
+    assert _gathered_at(fp32, 0, narrow, True)(1) < _gathered_at(fp32, 0, wide)(1)
+    bf16 = _plan(remat="full")
+    assert gathered_bytes(bf16, 0, True) == gathered_bytes(bf16, 0)
+    highest = _plan(remat="full", precision="fp32", runtime=RuntimeSpec(matmul_precision="highest"))
+    assert gathered_bytes(highest, 0, True) == gathered_bytes(highest, 0)
+    embed, layers, head_forward, head_backward = step_heap._gathered(fp32)
+    params = layout.layer_params(SPEC, 0)
+    matrices = layout.held_elements((p, 1) for p in params if narrowed(p, "layer", "B"))
+    assert matrices > 0.7 * layout.held_elements((p, 1) for p in params)  # the weight matrices, not biases or norms
+    assert sum(layers[0]) == 2 * matrices + 4 * (layout.held_elements((p, 1) for p in params) - matrices)
+    assert sum(head_forward) == head_block_bytes(fp32, 0) > sum(head_backward)
+    assert sum(embed) == 4 * layout.held_elements((p, 1) for p in layout.embedding_params(SPEC))
 
 
 def test_an_fp32_loss_reads_the_kept_logits_on_a_tpu() -> None:
