@@ -221,7 +221,8 @@ def test_weight_gradients_wait_for_the_backwards_end_on_a_tpu() -> None:
 def test_a_parallel_blocks_branches_are_recomputed_one_at_a_time_on_a_tpu() -> None:
     """Full remat of a parallel block on XLA:TPU: the layer's backward holds the larger of its attention's and its
     MLP's recompute and transients, not both (proxy-maxtext16b-v5e-l1's buffer assignment); a serial block
-    keeps the whole layer's recompute beside the larger transient."""
+    (:func:`test_a_serial_blocks_mlp_recompute_is_freed_before_its_attention_backward_on_a_tpu`) keeps the whole
+    layer's recompute beside the MLP's transients."""
     serial = _plan(remat="full", mesh={"data": 1}, batch=2)
     parallel = replace(serial, model=replace(serial.model, parallel_block=True))
     assert xla_tpu.parallel_branches(parallel) and not xla_tpu.parallel_branches(serial)
@@ -231,6 +232,22 @@ def test_a_parallel_blocks_branches_are_recomputed_one_at_a_time_on_a_tpu() -> N
     attention = xla_tpu.attention_recompute_bytes(parallel) + workspace.attention_workspace(parallel, True)
     assert ws == max(attention, mlp) and attention != mlp
     assert ws < xla_tpu.recompute_workspace_bytes(parallel) + workspace.sublayer_workspace(parallel, True)
+
+
+def test_a_serial_blocks_mlp_recompute_is_freed_before_its_attention_backward_on_a_tpu() -> None:
+    """Full remat of a serial block on XLA:TPU: the MLP's backward holds the whole recompute beside its
+    transients, the attention's (after it) the attention's recompute beside the score-sized buffer, the MLP's
+    hidden values freed; the layer's workspace is the larger (llama4k-fsdp256-tensor4's peak, the attention's
+    backward: no recomputed MLP value)."""
+    plan = _plan(remat="full", mesh={"data": 1}, batch=2)
+    assert not xla_tpu.parallel_branches(plan)
+    recompute = xla_tpu.recompute_workspace_bytes(plan)
+    attention = xla_tpu.attention_recompute_bytes(plan) + workspace.attention_workspace(plan, True)
+    ws = workspace.layer_workspace(plan, tpu=True)
+    assert attention < recompute + workspace.attention_workspace(plan, True)  # the MLP's hidden values not held
+    assert ws == max(attention, recompute + workspace._hidden_workspace(plan))
+    assert ws < recompute + workspace.sublayer_workspace(plan, True)
+    assert workspace.layer_workspace(plan) == workspace.sublayer_workspace(plan) + kept.recompute_workspace_bytes(plan)
 
 
 def test_single_chip_memory_matches_xla_tpus_recorded_compiles() -> None:

@@ -109,15 +109,20 @@ def _pieces(total: int, parts: list[int]) -> list[int]:
 def _layer_buffers(plan: Plan, kept: int, work: int) -> tuple[list[int], list[int]]:
     """A layer's kept set and its backward's workspace as buffers: the kept set's residual-stream inputs, Q, K and
     V, the MLP's hidden values and the probabilities (full remat: the block input); the workspace's score-sized
-    or MLP-hidden buffers and, under full remat, the recomputed set (testbed.model.xla_tpu)."""
+    or MLP-hidden buffers and, under full remat, the recomputed set (testbed.model.xla_tpu): beside the
+    score-sized buffer the attention's (the MLP's hidden values freed with the MLP's backward,
+    testbed.model.workspace.layer_workspace)."""
     spec, x = plan.model, _tensors(plan)
     every = [x["q"], x["kv"], *[x["hidden"]] * (spec.mlp_matrices - 1), x["scores"]]
     full = plan.remat is Remat.FULL
     kept_parts = [x["residual"]] if full else [*[x["residual"]] * norms(spec), *every]
     hidden = [*[x["residual"]] * 2, *[x["hidden"]] * spec.mlp_matrices]
     attention = [x["scores"]] * (2 if plan.remat is Remat.SELECTIVE else 1)
+    recompute = every + [x["residual"]] if full else []
+    if full and sum(attention) >= sum(hidden):  # the attention's backward, the MLP's recompute freed before it
+        recompute = [x["q"], x["q"], x["kv"], x["scores"], x["residual"]]
     work_parts = attention if sum(attention) >= sum(hidden) else hidden
-    return _pieces(kept, kept_parts), _pieces(work, [*work_parts, *(every + [x["residual"]] if full else [])])
+    return _pieces(kept, kept_parts), _pieces(work, [*work_parts, *recompute])
 
 
 def step_buffers(plan: Plan, terms: StepTerms) -> tuple[heap.Buffer, ...]:
