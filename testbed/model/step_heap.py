@@ -118,11 +118,11 @@ def _layer_buffers(plan: Plan, kept: int, work: int) -> tuple[list[int], list[in
     kept_parts = [x["residual"]] if full else [*[x["residual"]] * norms(spec), *every]
     hidden = [*[x["residual"]] * 2, *[x["hidden"]] * spec.mlp_matrices]
     attention = [x["scores"]] * (2 if plan.remat is Remat.SELECTIVE else 1)
-    recompute = every + [x["residual"]] if full else []
-    if full and sum(attention) >= sum(hidden):  # the attention's backward, the MLP's recompute freed before it
-        recompute = [x["q"], x["q"], x["kv"], x["scores"], x["residual"]]
-    work_parts = attention if sum(attention) >= sum(hidden) else hidden
-    return _pieces(kept, kept_parts), _pieces(work, [*work_parts, *recompute])
+    if not full:
+        return _pieces(kept, kept_parts), _pieces(work, attention if sum(attention) >= sum(hidden) else hidden)
+    # The larger of the MLP's backward (the whole recompute) and the attention's (the MLP's recompute freed).
+    paths = ([*hidden, *every, x["residual"]], [*attention, x["q"], x["q"], x["kv"], x["scores"], x["residual"]])
+    return _pieces(kept, kept_parts), _pieces(work, max(paths, key=sum))
 
 
 def step_buffers(plan: Plan, terms: StepTerms) -> tuple[heap.Buffer, ...]:
