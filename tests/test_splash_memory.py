@@ -88,7 +88,7 @@ def test_published_layer_bound_rows_fit_and_the_rule_can_fail(monkeypatch) -> No
     plan, topology = _case("maxtext-llama31-70b-v6e-32chip")
     assert memory_breakdown(plan, topology).fits
     runner = replace(plan, runtime=replace(plan.runtime, attention_kernel="runner"))
-    monkeypatch.setattr(memory, "_gathered_at", lambda plan, stage, bound: lambda position: bound)
+    monkeypatch.setattr(memory, "_gathered_at", lambda plan, stage, bound, narrow=False: lambda position: bound)
     bound = memory_breakdown(runner, topology).total
     monkeypatch.undo()
     assert memory_breakdown(runner, topology).total < bound  # the per-layer gathered blocks count

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from testbed.errors import InputError
-from testbed.model import kept, workspace, xla_tpu
+from testbed.model import kept, layout, workspace, xla_tpu
 from testbed.model.memory import memory_breakdown
 from testbed.plan.runtime import PROFILES, RuntimeSpec
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
@@ -172,6 +172,31 @@ def test_at_the_loss_a_tpu_holds_the_head_block_alone() -> None:
     assert head_block_bytes(_plan(remat="full", mesh={"data": 16}), 0) == 0
 
 
+def test_under_fp32_a_tpu_holds_its_gathered_weight_matrices_in_bf16() -> None:
+    """XLA:TPU gathers an fp32 weight matrix only matmuls read in bf16 (testbed.model.gathered.matmul_element_bytes):
+    its gathered copies hold half the bytes, the norms' scales and the embedding's table their own; bf16-mixed
+    plans and matmuls at ``highest`` precision are as before, and the loss's forward head block is not narrowed."""
+    from testbed.model import step_heap
+    from testbed.model.blocks import narrowed
+    from testbed.model.gathered import _gathered_at, gathered_bytes, head_block_bytes
+
+    fp32 = _plan(remat="full", precision="fp32")
+    narrow, wide = gathered_bytes(fp32, 0, True), gathered_bytes(fp32, 0)
+    assert wide / 2 < narrow < wide
+    assert _gathered_at(fp32, 0, narrow, True)(1) < _gathered_at(fp32, 0, wide)(1)
+    bf16 = _plan(remat="full")
+    assert gathered_bytes(bf16, 0, True) == gathered_bytes(bf16, 0)
+    highest = _plan(remat="full", precision="fp32", runtime=RuntimeSpec(matmul_precision="highest"))
+    assert gathered_bytes(highest, 0, True) == gathered_bytes(highest, 0)
+    embed, layers, head_forward, head_backward = step_heap._gathered(fp32)
+    params = layout.layer_params(SPEC, 0)
+    matrices = layout.held_elements((p, 1) for p in params if narrowed(p, "layer", "B"))
+    assert matrices > 0.7 * layout.held_elements((p, 1) for p in params)  # the weight matrices, not biases or norms
+    assert sum(layers[0]) == 2 * matrices + 4 * (layout.held_elements((p, 1) for p in params) - matrices)
+    assert sum(head_forward) == head_block_bytes(fp32, 0) > sum(head_backward)
+    assert sum(embed) == 4 * layout.held_elements((p, 1) for p in layout.embedding_params(SPEC))
+
+
 def test_an_fp32_loss_reads_the_kept_logits_on_a_tpu() -> None:
     """No cast to hold apart: the fp32 step's loss has no logits-sized buffer of its own (gpt1k-data4-fp32)."""
     assert xla_tpu.loss_workspace_bytes(_plan(remat="full", precision="fp32")) == 0
@@ -196,7 +221,8 @@ def test_weight_gradients_wait_for_the_backwards_end_on_a_tpu() -> None:
 def test_a_parallel_blocks_branches_are_recomputed_one_at_a_time_on_a_tpu() -> None:
     """Full remat of a parallel block on XLA:TPU: the layer's backward holds the larger of its attention's and its
     MLP's recompute and transients, not both (proxy-maxtext16b-v5e-l1's buffer assignment); a serial block
-    keeps the whole layer's recompute beside the larger transient."""
+    (:func:`test_a_serial_blocks_mlp_recompute_is_freed_before_its_attention_backward_on_a_tpu`) keeps the whole
+    layer's recompute beside the MLP's transients."""
     serial = _plan(remat="full", mesh={"data": 1}, batch=2)
     parallel = replace(serial, model=replace(serial.model, parallel_block=True))
     assert xla_tpu.parallel_branches(parallel) and not xla_tpu.parallel_branches(serial)
@@ -206,6 +232,22 @@ def test_a_parallel_blocks_branches_are_recomputed_one_at_a_time_on_a_tpu() -> N
     attention = xla_tpu.attention_recompute_bytes(parallel) + workspace.attention_workspace(parallel, True)
     assert ws == max(attention, mlp) and attention != mlp
     assert ws < xla_tpu.recompute_workspace_bytes(parallel) + workspace.sublayer_workspace(parallel, True)
+
+
+def test_a_serial_blocks_mlp_recompute_is_freed_before_its_attention_backward_on_a_tpu() -> None:
+    """Full remat of a serial block on XLA:TPU: the MLP's backward holds the whole recompute beside its
+    transients, the attention's (after it) the attention's recompute beside the score-sized buffer, the MLP's
+    hidden values freed; the layer's workspace is the larger (llama4k-fsdp256-tensor4's peak, the attention's
+    backward: no recomputed MLP value)."""
+    plan = _plan(remat="full", mesh={"data": 1}, batch=2)
+    assert not xla_tpu.parallel_branches(plan)
+    recompute = xla_tpu.recompute_workspace_bytes(plan)
+    attention = xla_tpu.attention_recompute_bytes(plan) + workspace.attention_workspace(plan, True)
+    ws = workspace.layer_workspace(plan, tpu=True)
+    assert attention < recompute + workspace.attention_workspace(plan, True)  # the MLP's hidden values not held
+    assert ws == max(attention, recompute + workspace._hidden_workspace(plan))
+    assert ws < recompute + workspace.sublayer_workspace(plan, True)
+    assert workspace.layer_workspace(plan) == workspace.sublayer_workspace(plan) + kept.recompute_workspace_bytes(plan)
 
 
 def test_single_chip_memory_matches_xla_tpus_recorded_compiles() -> None:

@@ -308,7 +308,7 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules
         grads += 4 * grad_held
     # Sharded parameters are gathered block by block, forward and backward (the backward gathers each block
     # again): the block computing and the prefetched ones are live (testbed.plan.sharding.gathered_blocks).
-    gathered = gathered_bytes(plan, stage)
+    gathered = gathered_bytes(plan, stage, terms.tpu)
     # Data-parallel gradient reduction is out of place: an all-reduce writes a second gradient
     # buffer; a reduce-scatter (ZeRO >= 1) writes only the shard.
     reduce_ws = 0
@@ -361,7 +361,7 @@ def _one_microbatch_instants(plan: Plan, stage: int, live: _Live, defer: bool, t
     later = later or fused
     at_loss = head_block_bytes(plan, stage) if tpu and plan.schedule.virtual_stages == 1 else live.gathered
     instants = [(live.acts, 0 if later and tpu else head_grads, _work(live.loss, (GATHERED, at_loss)))]
-    gathered_at = _gathered_at(plan, stage, live.gathered)
+    gathered_at = _gathered_at(plan, stage, live.gathered, tpu)
     for done in range(layers):
         instants.append((kept.device_layer_sets(plan, layers - done) * live.per_layer,
                          0 if later else head_grads + (done + 1) * layer_grads,

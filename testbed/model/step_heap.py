@@ -13,8 +13,10 @@ live from the instant that writes it to the last that reads it, on the step's ti
 layer's forward, the head, the loss, the head's backward, each layer's backward (last to first), the update.
 
 - under fsdp/ZeRO-3 each parameter's gathered copy (one all-gather a parameter: the recorded compiles' gathers,
-  benchmarks/xla_tpu/), gathered ahead by ``runtime.fsdp_prefetch`` blocks, forward and again backward; the
-  head's gathered block lives from the head's forward through its backward (testbed.model.gathered);
+  benchmarks/xla_tpu/; a weight matrix in bf16 under fp32, testbed.model.gathered.matmul_element_bytes),
+  gathered ahead by ``runtime.fsdp_prefetch`` blocks, forward and again backward (the head's forward copy in
+  the compute dtype: testbed.model.blocks.narrowed); the head's gathered block lives from the head's forward
+  through its backward (testbed.model.gathered);
 - each layer's kept set, from its forward to its backward (testbed.model.xla_tpu.layer_kept_bytes); the head's
   norm input and logits, from the head's forward to its backward;
 - the loss's fp32 buffer at the loss, one layer backward's workspace at each layer's backward;
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 
 from testbed.model import heap, layout
 from testbed.model.activations import norms
+from testbed.model.blocks import narrowed
+from testbed.model.gathered import matmul_element_bytes
 from testbed.model.ring import rank_spec
 from testbed.plan.sharding import gathered_blocks
 from testbed.plan.spec import Attention, Plan, Remat
@@ -61,20 +65,22 @@ class StepTerms:
             raise ValueError(f"a step's terms are >= 0 bytes, got {sizes}")
 
 
-def _gathered(plan: Plan) -> tuple[tuple[int, ...], list[tuple[int, ...]], tuple[int, ...]]:
-    """Bytes of each gathered parameter (whole over the shard axes, tensor split, compute dtype) of the embedding,
-    of each layer and of the head; empty when nothing is sharded."""
+def _gathered(plan: Plan) -> tuple[tuple[int, ...], list[tuple[int, ...]], tuple[int, ...], tuple[int, ...]]:
+    """Bytes of each gathered parameter (whole over the shard axes, tensor split) of the embedding, of each layer
+    and of the head forward and backward, in the compute dtype but the weight matrices XLA:TPU gathers in bf16
+    (testbed.model.gathered.matmul_element_bytes, testbed.model.blocks.narrowed); empty when nothing is sharded."""
     if not gathered_blocks(plan):
-        return (), [()] * plan.model.layers, ()
+        return (), [()] * plan.model.layers, (), ()
     spec, mesh, c = plan.model, plan.mesh, plan.precision.compute_bytes
+    m = matmul_element_bytes(plan, True)
 
-    def sizes(params) -> tuple[int, ...]:
-        return tuple(c * layout.held_elements(((p, 1),), mesh.tensor, 1, mesh.expert, expert_tensor=mesh.expert_tensor)
-                     for p in params)
+    def sizes(params, piece: str, kind: str = "B") -> tuple[int, ...]:
+        return tuple((m if narrowed(p, piece, kind) else c) * layout.held_elements(
+            ((p, 1),), mesh.tensor, 1, mesh.expert, expert_tensor=mesh.expert_tensor) for p in params)
 
-    tied = (layout.tied_table(spec),) if spec.tied_embeddings else ()
-    layers = [sizes(layout.layer_params(spec, i)) for i in range(spec.layers)]
-    return sizes(layout.embedding_params(spec)), layers, sizes((*layout.head_params(spec), *tied))
+    head = (*layout.head_params(spec), *((layout.tied_table(spec),) if spec.tied_embeddings else ()))
+    layers = [sizes(layout.layer_params(spec, i), "layer") for i in range(spec.layers)]
+    return sizes(layout.embedding_params(spec), "embedding"), layers, sizes(head, "head", "F"), sizes(head, "head")
 
 
 def _tensors(plan: Plan) -> dict[str, int]:
@@ -103,15 +109,20 @@ def _pieces(total: int, parts: list[int]) -> list[int]:
 def _layer_buffers(plan: Plan, kept: int, work: int) -> tuple[list[int], list[int]]:
     """A layer's kept set and its backward's workspace as buffers: the kept set's residual-stream inputs, Q, K and
     V, the MLP's hidden values and the probabilities (full remat: the block input); the workspace's score-sized
-    or MLP-hidden buffers and, under full remat, the recomputed set (testbed.model.xla_tpu)."""
+    or MLP-hidden buffers and, under full remat, the recomputed set (testbed.model.xla_tpu): beside the
+    score-sized buffer the attention's (the MLP's hidden values freed with the MLP's backward,
+    testbed.model.workspace.layer_workspace)."""
     spec, x = plan.model, _tensors(plan)
     every = [x["q"], x["kv"], *[x["hidden"]] * (spec.mlp_matrices - 1), x["scores"]]
     full = plan.remat is Remat.FULL
     kept_parts = [x["residual"]] if full else [*[x["residual"]] * norms(spec), *every]
     hidden = [*[x["residual"]] * 2, *[x["hidden"]] * spec.mlp_matrices]
     attention = [x["scores"]] * (2 if plan.remat is Remat.SELECTIVE else 1)
-    work_parts = attention if sum(attention) >= sum(hidden) else hidden
-    return _pieces(kept, kept_parts), _pieces(work, [*work_parts, *(every + [x["residual"]] if full else [])])
+    if not full:
+        return _pieces(kept, kept_parts), _pieces(work, attention if sum(attention) >= sum(hidden) else hidden)
+    # The larger of the MLP's backward (the whole recompute) and the attention's (the MLP's recompute freed).
+    paths = ([*hidden, *every, x["residual"]], [*attention, x["q"], x["q"], x["kv"], x["scores"], x["residual"]])
+    return _pieces(kept, kept_parts), _pieces(work, max(paths, key=sum))
 
 
 def step_buffers(plan: Plan, terms: StepTerms) -> tuple[heap.Buffer, ...]:
@@ -121,11 +132,11 @@ def step_buffers(plan: Plan, terms: StepTerms) -> tuple[heap.Buffer, ...]:
     head_at, loss_at = layers + 1, layers + 2
     update = 2 * layers + 5
     forward, backward = (lambda i: 1 + i), (lambda i: loss_at + 2 + layers - 1 - i)
-    embed_w, layer_w, head_w = _gathered(plan)
+    embed_w, layer_w, head_w, head_back = _gathered(plan)
     kept, work = _layer_buffers(plan, terms.per_layer, terms.layer)
     out = [heap.Buffer(0, 0, s) for s in embed_w]
     out += [heap.Buffer(max(head_at - ahead, 0), head_at, s) for s in head_w]
-    out += [heap.Buffer(loss_at, loss_at + 1, s) for s in head_w]
+    out += [heap.Buffer(loss_at, loss_at + 1, s) for s in head_back]
     out += [heap.Buffer(head_at, loss_at + 1, s) for s in terms.head]
     out.append(heap.Buffer(loss_at, loss_at, terms.loss))
     grads_from = (lambda at: update) if terms.late_grads else (lambda at: at)

@@ -91,6 +91,10 @@ def layer_workspace(plan: Plan, tpu: bool = False) -> int:
         attention = xla_tpu.attention_recompute_bytes(plan) + attention_workspace(plan, tpu)
         return max(attention, _hidden_workspace(plan), tensor // norms(rank_spec(plan))) + moe.dispatch_workspace(plan)
     recompute = xla_tpu.recompute_workspace_bytes(plan) if tpu else kept.recompute_workspace_bytes(plan)
+    if tpu and plan.remat is Remat.FULL and not kept.saves_dots(plan):  # the MLP's recompute freed with its backward
+        mlp = max(_hidden_workspace(plan), tensor // norms(rank_spec(plan))) + recompute
+        attention = attention_workspace(plan, tpu) + xla_tpu.attention_recompute_bytes(plan)
+        return max(mlp, attention) + moe.dispatch_workspace(plan)
     if tpu:
         transients = max(sublayer_workspace(plan, tpu), tensor // norms(rank_spec(plan)))
         return transients + recompute + moe.dispatch_workspace(plan)
