@@ -233,9 +233,9 @@ _TREE_ROOTS = {"embedding": 0, "head": 1, "layer": 2}
 
 def _packed_groups(walk: list[tuple], sizes: list[float], kinds: dict[int, str], whats: list[str], bound: float
                    ) -> list[list]:
-    """The merged all-reduces XLA:TPU's all-reduce combiner makes of a chunk's gradients (``walk``: :func:`_scatter_walk`,
-    ``sizes`` their bytes, ``whats`` each piece's kind) as :func:`_scatter_merges`' groups ([bytes, block issued in, walk index of the last member,
-    late, blocks read, members, op]).
+    """The merged all-reduces XLA:TPU's all-reduce combiner makes of a chunk's gradients (``walk``:
+    :func:`_scatter_walk`, ``sizes`` their bytes, ``whats`` each piece's kind) as :func:`_scatter_merges`' groups
+    ([bytes, block issued in, walk index of the last member, late, blocks read, members, op]).
 
     testbed.sim.xla.xla_tpu, "packed": the combiner walks the gradients in the parameters' pytree order (the
     optimizer's update reads them so: embedding, head, then the layers in order, each one's keys sorted), and each

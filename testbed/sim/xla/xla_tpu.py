@@ -13,8 +13,8 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   (v5e 4x4), llama2k-fsdp64 (v5e 8x8), gpt2k-fsdp256-full and llama1b-fsdp256-flash (v5e 16x16),
   gpt2k-fsdp1024-full (v5p 8x8x16) reduce no gradient by a reduce-scatter, and llama2k-fsdp8's and
   gpt2k-fsdp16-full's four gradient all-reduces are their leaves merged within the combiner's 120 MiB.
-- **The gradients' all-reduces are packed to the combiner's bound** (testbed.model.block_scatters, ``packed``: where
-  :func:`scatters_as_allreduce`): XLA:TPU's all-reduce combiner walks them in the parameters' pytree order (the
+- **The gradients' all-reduces are packed to the combiner's bound** (:func:`packs_allreduces`;
+  testbed.model.block_scatters' ``packed``, testbed.sim.xla.combine's ``packs`` for a traced program): XLA:TPU's all-reduce combiner walks them in the parameters' pytree order (the
   optimizer's update reads them so: the embedding, the head, then the layers in order, each one's keys sorted), and
   each merge takes every next gradient that still fits 120 MiB, passing over those that do not (left for the next
   merge) rather than closing at the first; one over the bound alone is never merged. llama1b-fsdp256-flash (v5e
@@ -86,7 +86,7 @@ from testbed.topology.spec import Topology
 if TYPE_CHECKING:
     from testbed.sim.xla.workload import Workload
 
-__all__ = ["scatters_as_allreduce", "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
+__all__ = ["scatters_as_allreduce", "packs_allreduces", "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
            "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
            "sequence_gather_bytes",
            "gather_element_bytes", "lowered_gathers",
@@ -107,6 +107,13 @@ def scatters_as_allreduce(topology: Topology) -> bool:
         return False
     dims = [level.size for level in levels if level.size > 1]
     return len(dims) >= 3 or (len(dims) == 2 and min(dims) >= 4)
+
+
+def packs_allreduces(topology: Topology) -> bool:
+    """Whether the compiler packs the all-reduces (the gradients', the loss's) to its combiner's bound, each merge
+    taking every next one that still fits in the parameters' pytree order (module docstring): where
+    :func:`scatters_as_allreduce` (the recorded evidence: whole XLA:TPU slices)."""
+    return scatters_as_allreduce(topology)
 
 
 def lowered_reductions(reductions: tuple, mesh: MeshSpec, whole_slice: bool) -> tuple:
