@@ -175,7 +175,8 @@ def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
 #: which an fp32 loss joins; under full remat a layer's backward gathers its recomputation's leaves apart; under fp32
 #: the weight matrices are gathered in bf16; a whole slice's all-gather of a small buffer (any on a v5p slice) is an
 #: all-reduce, merged by the all-reduce combiner (testbed.model.gather_lowering); a rank-1 gather of a shard not whole
-#: 128-lane rows and every rank-1 reduce-scatter are merged all-reduces (xla_tpu.vector_gather_lowers).
+#: 128-lane rows and every rank-1 reduce-scatter are merged all-reduces (xla_tpu.vector_gather_lowers); a whole
+#: slice's gradient all-reduces are packed to the bound (xla_tpu.packs_allreduces).
 FSDP = ("fsdp: XLA:TPU all-reduces some matrices' gradients whole (padded, with collective-permutes, over a 2x2 "
         "slice or 8 of 64 chips) where they stay reduce-scatters over part of a slice and merges HSDP's data "
         "all-reduces; with "
