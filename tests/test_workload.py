@@ -219,6 +219,20 @@ def test_combining_merges_independent_collectives_and_keeps_dependent_ones_apart
     assert _collectives(combine_collectives(workload(ops), 0)) == 2
 
 
+def test_xla_tpu_packs_the_all_reduces_in_the_order_their_readers_are_emitted() -> None:
+    """testbed.sim.xla.xla_tpu.packs_allreduces: the all-reduces walked from the results (each its own update, in
+    program order: the parameters' pytree order), each merge taking every next one that still fits and passing over
+    the others; XLA's open-source rule closes a merge at the first that does not fit."""
+    mib = 2.0 ** 20
+    ops = [gemm()] + [reduce((0,), nbytes=n * mib) for n in (10, 70, 60, 50)]
+    ops += [memory((k,)) for k in (3, 2, 4, 1)]  # the updates read the 60, 70, 50, 10 MiB ones in that order
+    sizes = {packs: sorted(op.nbytes / mib for op in combine_collectives(workload(ops), 0, 120 * mib, packs).ops
+                           if op.kind is OpKind.COLLECTIVE) for packs in (False, True)}
+    assert sizes == {False: [80, 110], True: [70, 120]}  # 10+70 | 60+50 in the traced order; 60+50+10 | 70
+    chained = [gemm(), reduce((0,), nbytes=60 * mib), memory((1,)), reduce((2,), nbytes=10 * mib), memory((3,))]
+    assert _collectives(combine_collectives(workload(chained), 0, 120 * mib, True)) == 2  # one reaches the other
+
+
 def test_a_reader_between_two_independent_gathers_does_not_keep_them_apart() -> None:
     """XLA's rule (CombineInstructionsByKey): two gathers neither of which reaches the other merge, though a matmul
     reads the first before the second is issued (the runner's bf16 fsdp step: a layer's casts and gathers are
@@ -407,9 +421,9 @@ def random_workloads(draw) -> Workload:
     return workload(ops, mesh={"data": 4, "tensor": 2})
 
 
-@given(random_workloads(), st.sampled_from([None, 0, 1e5, 1e6]))
-def test_ordering_and_combining_keep_the_program_a_dag_and_conserve_work(w: Workload, limit) -> None:
-    hoisted = hoist_collectives(combine_collectives(defer_consumers(w), limit))  # Workload's checks: deps come first
+@given(random_workloads(), st.sampled_from([None, 0, 1e5, 1e6]), st.booleans())
+def test_ordering_and_combining_keep_the_program_a_dag_and_conserve_work(w: Workload, limit, packs: bool) -> None:
+    hoisted = hoist_collectives(combine_collectives(defer_consumers(w), limit, 1e6 if packs else None, packs))  # Workload's checks: deps come first
     out = chain_gathers(hoisted)
     gathers = [o for o in hoisted.ops if o.collective == "all_gather"]
     assert [o for o in out.ops if o.collective == "all_gather"] == gathers  # no gather overtakes another

@@ -19,7 +19,8 @@ __all__ = ["block_scatters", "scatter_ops", "scatter_reads", "scatter_early", "s
 
 
 def block_scatters(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
-                   bytes_per_element: float = 4.0, vectors: bool = False) -> tuple[tuple[float, ...], ...]:
+                   bytes_per_element: float = 4.0, vectors: bool = False, packed: bool = False
+                   ) -> tuple[tuple[float, ...], ...]:
     """Per block of a chunk's backward (from the head, :func:`block_pieces`), each reduce-scatter its gradients
     are, as a share of the chunk's gradient elements: the pieces' leaves from the head, each piece's in
     :func:`issue_order`, merged within ``combine_bytes`` by :func:`combined_sizes`' rule across pieces (XLA's
@@ -28,36 +29,39 @@ def block_scatters(plan: Plan, stage: int, chunk: int, blocks: int, combine_byte
     merged sizes, where equal shares of the chunk's would price the head's large table as a layer's share and
     split it into equal collectives. ``vectors``: the leaves reduced as rank-1 buffers (a rank-1 leaf, or one held
     flat) are one merged all-reduce at the backward's end, its exact share last (:func:`scatter_ops`;
-    testbed.sim.xla.xla_tpu.lowers_vectors)."""
+    testbed.sim.xla.xla_tpu.lowers_vectors). ``packed``: the gradients are all-reduces XLA:TPU's all-reduce
+    combiner packs (:func:`_packed_groups`; testbed.sim.xla.xla_tpu, "packed")."""
     return _block_scatters(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                            state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                           bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors)
+                           bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors, packed)
 
 
 @functools.lru_cache(maxsize=1 << 12)
 def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
                     chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool = False,
-                    vectors: bool = False) -> tuple[tuple[float, ...], ...]:
+                    vectors: bool = False, packed: bool = False) -> tuple[tuple[float, ...], ...]:
     """:func:`block_scatters` from what it depends on (``apart``: sequence parallelism over tensor ranks)."""
     merges = _scatter_merges(spec, mesh, v, stage_layers, ways, stage, chunk, blocks, combine_bytes,
-                             bytes_per_element, apart, vectors)
+                             bytes_per_element, apart, vectors, packed)
     return _exact_shares(tuple(tuple(size for size, *_ in block) for block in merges),
                          tuple(tuple(bool(op) for *_, op in block) for block in merges))
 
 
 def scatter_ops(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
-                bytes_per_element: float = 4.0, vectors: bool = False) -> tuple[tuple[str, ...], ...]:
+                bytes_per_element: float = 4.0, vectors: bool = False, packed: bool = False
+                ) -> tuple[tuple[str, ...], ...]:
     """Per block of a chunk's backward (as :func:`block_scatters`), per merged reduce-scatter, its op where the
     compiler makes it another (``all_reduce``: the rank-1 gradients' merge where ``vectors``), else empty (the
     parameter kind's own: testbed.sim.step.update_facts.Reduction.scatter_op)."""
     merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors)
+                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors, packed)
     return tuple(tuple(op for *_, op in block) for block in merges)
 
 
 def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
-                  bytes_per_element: float = 4.0, vectors: bool = False) -> tuple[tuple[tuple[int, ...], ...], ...]:
+                  bytes_per_element: float = 4.0, vectors: bool = False, packed: bool = False
+                ) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Per block of a chunk's backward (as :func:`block_scatters`), per merged reduce-scatter, the blocks (backward
     order) whose weight gradients it reads: those of its members but the tensor-replicated ones under sequence
     parallelism, which it reads from the backward's one merged all-reduce over tensor (:func:`_scatter_walk`).
@@ -68,12 +72,13 @@ def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     waits for every layer's weight gradients."""
     merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors)
+                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors, packed)
     return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read, *_ in block) for block in merges)
 
 
 def scatter_early(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
-                  bytes_per_element: float = 4.0, vectors: bool = False) -> tuple[tuple[float, ...], ...]:
+                  bytes_per_element: float = 4.0, vectors: bool = False, packed: bool = False
+                ) -> tuple[tuple[float, ...], ...]:
     """Per block of a chunk's backward (as :func:`scatter_reads`), per merged reduce-scatter, the share of its
     block's weight-gradient matmuls it reads where it leaves before the block's input gradients, else 0.
 
@@ -89,12 +94,13 @@ def scatter_early(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     superpod's traced step) the weight gradient follows the layer's input gradients."""
     merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors)
+                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors, packed)
     return tuple(tuple(early for _, _, early, *_ in block) for block in merges)
 
 
 def scatter_cuts(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
-                 bytes_per_element: float = 4.0, vectors: bool = False) -> tuple[tuple[tuple[float, ...], ...], ...]:
+                 bytes_per_element: float = 4.0, vectors: bool = False, packed: bool = False
+                ) -> tuple[tuple[tuple[float, ...], ...], ...]:
     """Per block of a chunk's backward (as :func:`scatter_reads`), per merged reduce-scatter, for each block it
     reads (:func:`scatter_reads`' order) the share of that block's weight-gradient matmuls (its matrices'
     elements) among the merge's members.
@@ -105,7 +111,7 @@ def scatter_cuts(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes:
     not all of them before its first merge leaves."""
     merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors)
+                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors, packed)
     return tuple(tuple(tuple(dict(cuts).get(b, 0.0) for b in sorted(read, reverse=True))
                        for _, read, _, cuts, _ in block) for block in merges)
 
@@ -138,7 +144,7 @@ def _early_share(members: list, first: dict[int, int], matrices: dict[int, int])
 @functools.lru_cache(maxsize=1 << 12)
 def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
                     chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool,
-                    vectors: bool = False
+                    vectors: bool = False, packed: bool = False
                     ) -> tuple[tuple[tuple[float, frozenset[int], float, tuple[tuple[int, float], ...], str], ...], ...]:
     """Per block of a chunk's backward (from the head), each merged reduce-scatter as (bytes, the forward-order
     blocks of the members it reads but the tensor-replicated ones, :func:`scatter_early`'s share,
@@ -154,10 +160,14 @@ def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
     walk = _scatter_walk(pieces, apart and not math.isinf(combine_bytes))
     first: dict[int, int] = {}
     flat: list = []  # the rank-1 gradients' one all-reduce (``vectors``): [bytes, members]
-    for i, (q, block, late) in enumerate(walk):
+    sizes = [q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+             for q, *_ in walk]
+    for i, (q, block, late, _) in enumerate(walk):
         first.setdefault(block, i)
-        size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+        size = sizes[i]
         read, member = frozenset(() if late else (block,)), (i, q, block, "late" if late else kinds[block])
+        if packed and not math.isinf(combine_bytes):
+            continue  # merged below, in the parameters' pytree order
         if vectors and _rank_one(q, mesh, ways):
             flat = [(flat[0] if flat else 0.0) + size, (flat[1] if flat else []) + [(i, q, block, "late")]]
         elif math.isinf(combine_bytes) or size > combine_bytes:
@@ -167,6 +177,8 @@ def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
         else:
             group = [size, block, i, late, read, [member], ""]
             groups.append(group)
+    if packed and not math.isinf(combine_bytes):
+        groups = _packed_groups(walk, sizes, kinds, [what for _, what, _ in pieces], combine_bytes)
     if flat:  # after every other merge of the backward's last block (the compiled programs' last collective)
         groups.append([flat[0], 0, len(walk), True, frozenset(), flat[1], "all_reduce"])
     # A merged collective is issued once its last member is (XLA's combiner puts it after all its operands); one
@@ -194,7 +206,7 @@ def _rank_one(q: layout.ParamSpec, mesh: MeshSpec, ways: int) -> bool:
 
 
 def _scatter_walk(pieces: list[tuple[int, str, list]], apart: bool) -> list[tuple]:
-    """(leaf, block, late) of a chunk's gradients in the order XLA's reduce-scatter combiner walks them: the pieces
+    """(leaf, block, late, piece: its index in ``pieces``) of a chunk's gradients in the order XLA's reduce-scatter combiner walks them: the pieces
     from the head, each piece's leaves as its transposed gathers issue them (reversed :func:`issue_order`).
 
     ``apart`` (sequence parallelism over tensor ranks, merges bounded): a tensor-replicated gradient (``late``: a
@@ -204,14 +216,58 @@ def _scatter_walk(pieces: list[tuple[int, str, list]], apart: bool) -> list[tupl
     a gradient issues before its reduce-scatters: the earlier pieces' are walked there, at that piece's start,
     in its block (the traced program's merges, testbed.sim.xla.combine; one for one in
     tests/test_program_vs_plan.py)."""
-    walk = [(q, block, apart and what != "embedding" and q.tensor_dim is None and not q.is_expert)
-            for block, what, params in reversed(pieces) for q in reversed(issue_order(params))]
-    if not any(late for _, _, late in walk):
+    walk = [(q, block, apart and what != "embedding" and q.tensor_dim is None and not q.is_expert, k)
+            for k, (block, what, params) in reversed(list(enumerate(pieces))) for q in reversed(issue_order(params))]
+    if not any(late for _, _, late, _ in walk):
         return walk
-    last = max(i for i, (_, _, late) in enumerate(walk) if late)
-    start = next(i for i, (_, block, _) in enumerate(walk) if block == walk[last][1])
-    held = [(q, walk[start][1], True) for q, _, late in walk[:start] if late]
+    last = max(i for i, (_, _, late, _) in enumerate(walk) if late)
+    start = next(i for i, (_, block, _, _) in enumerate(walk) if block == walk[last][1])
+    held = [(q, walk[start][1], True, k) for q, _, late, k in walk[:start] if late]
     return [w for w in walk[:start] if not w[2]] + held + walk[start:]
+
+
+#: The order JAX flattens a model's parameter tree in (testbed.runner.model: ``{"embed", "head", "layers"}``, keys
+#: sorted), by piece kind.
+_TREE_ROOTS = {"embedding": 0, "head": 1, "layer": 2}
+
+
+def _packed_groups(walk: list[tuple], sizes: list[float], kinds: dict[int, str], whats: list[str], bound: float
+                   ) -> list[list]:
+    """The merged all-reduces XLA:TPU's all-reduce combiner makes of a chunk's gradients (``walk``:
+    :func:`_scatter_walk`, ``sizes`` their bytes, ``whats`` each piece's kind) as :func:`_scatter_merges`' groups
+    ([bytes, block issued in, walk index of the last member, late, blocks read, members, op]).
+
+    testbed.sim.xla.xla_tpu, "packed": the combiner walks the gradients in the parameters' pytree order (the
+    optimizer's update reads them so: embedding, head, then the layers in order, each one's keys sorted), and each
+    merge takes every next gradient that still fits the bound, passing over those that do not (left for the next
+    merge), rather than closing at the first; one over the bound alone is never merged. Each merge is issued once
+    its last-computed member is (the one latest in ``walk``, the backward's order)."""
+    order = sorted(range(len(walk)), key=lambda i: (_TREE_ROOTS[whats[walk[i][3]]], walk[i][3], walk[i][0].path))
+    groups: list[list] = []
+    rest = [i for i in order if sizes[i] <= bound]
+    for i in order:
+        if sizes[i] > bound:
+            groups.append(_group([i], walk, sizes, kinds))
+    while rest:
+        taken, left, total = [], [], 0.0
+        for i in rest:
+            if total + sizes[i] <= bound:
+                taken.append(i)
+                total += sizes[i]
+            else:
+                left.append(i)
+        groups.append(_group(taken, walk, sizes, kinds))
+        rest = left
+    return groups
+
+
+def _group(members: list[int], walk: list[tuple], sizes: list[float], kinds: dict[int, str]) -> list:
+    """A :func:`_scatter_merges` group of the walk indices ``members`` (:func:`_packed_groups`)."""
+    last = max(members)
+    late = any(walk[i][2] for i in members)
+    read = frozenset(walk[i][1] for i in members if not walk[i][2])
+    entries = [(i, walk[i][0], walk[i][1], "late" if walk[i][2] else kinds[walk[i][1]]) for i in sorted(members)]
+    return [sum(sizes[i] for i in members), walk[last][1], last, late, read, entries, ""]
 
 
 def _exact_shares(sizes: tuple[tuple[float, ...], ...], exact: tuple[tuple[bool, ...], ...] = ()

@@ -27,7 +27,8 @@ from testbed.sim.graph.tasks import Program, TaskKind
 from testbed.sim.report.timeline import Report, Timeline
 from testbed.sim.graph.traced_graph import collective_bytes, convert_bytes, mesh_groups, repeat_gemm, workload_program
 from testbed.sim.xla.workload import OpKind, Workload, element_bytes
-from testbed.sim.xla.xla_tpu import lowered_gathers, lowered_scatters, lowers_vectors, scatters_as_allreduce
+from testbed.sim.xla.xla_tpu import (lowered_gathers, lowered_scatters, lowers_vectors, packs_allreduces,
+                                    scatters_as_allreduce)
 from testbed.topology import Topology
 
 #: The task graph's names (testbed.sim.graph.traced_graph) are importable from here too: this is the traced tier's API.
@@ -178,7 +179,8 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
     """
     collectives = topology.calibration.collectives
     limit = combine_limit(collectives.combine_bytes)
-    merged = combine_collectives(compiled_collectives(workload, topology), limit, collectives.allreduce_combine_bytes)
+    merged = combine_collectives(compiled_collectives(workload, topology), limit, collectives.allreduce_combine_bytes,
+                                 packs_allreduces(topology))
     workload = hoist_collectives(defer_consumers(merged))
     if topology.device.gathers_apart():
         workload = chain_gathers(workload, _op_seconds(workload, topology, device_ids))

@@ -327,11 +327,12 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
         if own else ()
     merge = combine_limit(allreduce_bytes, math.inf) if scatter_allreduce else combine  # the combiner that merges
     vectors = bool(lowering.lanes) and reduces and not scatter_allreduce  # XLA:TPU's rank-1 gradients' all-reduce
-    bucket_sizes = block_scatters(plan, s, c, blocks, merge, reduce_b, vectors) if own and buckets == blocks else ()
-    bucket_reads = scatter_reads(plan, s, c, blocks, merge, reduce_b, vectors) if bucket_sizes else ()
-    bucket_early = scatter_early(plan, s, c, blocks, merge, reduce_b, vectors) if bucket_sizes and chained else ()
-    bucket_cuts = scatter_cuts(plan, s, c, blocks, merge, reduce_b, vectors) if bucket_sizes else ()
-    bucket_ops = scatter_ops(plan, s, c, blocks, merge, reduce_b, vectors) if bucket_sizes and vectors else ()
+    rule = (merge, reduce_b, vectors, scatter_allreduce)  # XLA:TPU packs the all-reduces (xla_tpu: the combiner)
+    bucket_sizes = block_scatters(plan, s, c, blocks, *rule) if own and buckets == blocks else ()
+    bucket_reads = scatter_reads(plan, s, c, blocks, *rule) if bucket_sizes else ()
+    bucket_early = scatter_early(plan, s, c, blocks, *rule) if bucket_sizes and chained else ()
+    bucket_cuts = scatter_cuts(plan, s, c, blocks, *rule) if bucket_sizes else ()
+    bucket_ops = scatter_ops(plan, s, c, blocks, *rule) if bucket_sizes and vectors else ()
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_ops=ops, block_holds=holds, block_work=block_work,

@@ -87,11 +87,12 @@ def _merges(ops: tuple[TracedOp, ...], key: tuple, bound: float) -> list[int]:
 
 
 def combine_collectives(workload: Workload, combine_bytes: float | None,
-                        allreduce_bytes: float | None = None) -> Workload:
+                        allreduce_bytes: float | None = None, packs: bool = False) -> Workload:
     """``workload`` with its independent same-kind, same-axes collectives merged (module docstring): one pass
     per kind in :data:`PASSES`' order (then any other kind, all-to-all or collective-permute, within the bound as
     an all-gather), one key (kind, axes) at a time, each on the last one's result. All-reduces merge within
-    ``allreduce_bytes`` (the topology's ``calibration.collectives.allreduce_combine_bytes``; None: no bound)."""
+    ``allreduce_bytes`` (the topology's ``calibration.collectives.allreduce_combine_bytes``; None: no bound);
+    ``packs``: as XLA:TPU's all-reduce combiner packs them (:func:`_packed_merges`)."""
     workload = drop_trivial_collectives(workload)
     limit = math.inf if combine_bytes is None else float(combine_bytes)
     reduce_limit = math.inf if allreduce_bytes is None else float(allreduce_bytes)
@@ -100,8 +101,72 @@ def combine_collectives(workload: Workload, combine_bytes: float | None,
         keys = dict.fromkeys(_key(op) for op in workload.ops
                              if op.kind is OpKind.COLLECTIVE and op.collective == kind)
         for key in keys:
-            workload = _merged(workload, _merges(workload.ops, key, reduce_limit if kind == "all_reduce" else limit))
+            bound = reduce_limit if kind == "all_reduce" else limit
+            packed = kind == "all_reduce" and packs and not key[2] and not math.isinf(bound)
+            workload = _merged(workload, (_packed_merges if packed else _merges)(workload.ops, key, bound))
     return workload
+
+
+def post_order(ops: tuple[TracedOp, ...]) -> list[int]:
+    """The ops in XLA's ``MakeInstructionPostOrder`` order: a depth-first walk from the program's results (the ops
+    nothing reads, in program order: a step's parameter and optimizer updates, in the parameters' pytree order),
+    each op after its operands (in ``deps`` order)."""
+    readers = [0] * len(ops)
+    for op in ops:
+        for d in op.deps:
+            readers[d] += 1
+    seen, out = [False] * len(ops), []
+    for root in (i for i in range(len(ops)) if not readers[i]):
+        stack = [(root, 0)]
+        while stack:
+            i, k = stack.pop()
+            if k == 0 and seen[i]:
+                continue
+            seen[i] = True
+            deps = ops[i].deps
+            while k < len(deps) and seen[deps[k]]:
+                k += 1
+            if k < len(deps):
+                stack += [(i, k + 1), (deps[k], 0)]
+            else:
+                out.append(i)
+    return out
+
+
+def _packed_merges(ops: tuple[TracedOp, ...], key: tuple, bound: float) -> list[int]:
+    """:func:`_merges` as XLA:TPU's all-reduce combiner merges ``key``'s collectives (testbed.sim.xla.xla_tpu,
+    "packed"): walking them in :func:`post_order`, each merge takes every next one still within ``bound``, not
+    reachable from a member, and of the first member's loop iteration, passing over the others (left for the next
+    merge); one over the bound alone is never merged."""
+    merge = list(range(len(ops)))
+    rest = [i for i in post_order(ops) if ops[i].kind is OpKind.COLLECTIVE and ops[i].count == 1
+            and _key(ops[i]) == key and ops[i].nbytes <= bound]
+    while rest:
+        first, size, left, taken = rest[0], 0.0, [], set()
+        for i in rest:
+            if (size + ops[i].nbytes <= bound and ops[i].iteration == ops[first].iteration
+                    and not _reaches(ops, taken, i)):
+                merge[i], size = first, size + ops[i].nbytes
+                taken.add(i)
+            else:
+                left.append(i)
+        rest = left
+    return merge
+
+
+def _reaches(ops: tuple[TracedOp, ...], sources: set[int], target: int) -> bool:
+    """Whether ``target`` depends, directly or not, on any op of ``sources``."""
+    if not sources:
+        return False
+    low, stack, seen = min(sources), [target], {target}
+    while stack:
+        for d in ops[stack.pop()].deps:
+            if d in sources:
+                return True
+            if d >= low and d not in seen:
+                seen.add(d)
+                stack.append(d)
+    return False
 
 
 def drop_trivial_collectives(workload: Workload) -> Workload:

@@ -13,6 +13,15 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   (v5e 4x4), llama2k-fsdp64 (v5e 8x8), gpt2k-fsdp256-full and llama1b-fsdp256-flash (v5e 16x16),
   gpt2k-fsdp1024-full (v5p 8x8x16) reduce no gradient by a reduce-scatter, and llama2k-fsdp8's and
   gpt2k-fsdp16-full's four gradient all-reduces are their leaves merged within the combiner's 120 MiB.
+- **The gradients' all-reduces are packed to the combiner's bound** (:func:`packs_allreduces`;
+  testbed.model.block_scatters' ``packed``, testbed.sim.xla.combine's ``packs`` for a traced program): XLA:TPU's all-reduce combiner walks them in the parameters' pytree order (the
+  optimizer's update reads them so: the embedding, the head, then the layers in order, each one's keys sorted), and
+  each merge takes every next gradient that still fits 120 MiB, passing over those that do not (left for the next
+  merge) rather than closing at the first; one over the bound alone is never merged. llama1b-fsdp256-flash (v5e
+  16x16, 16 layers): 14 gradient all-reduces, the two 131 MB tables alone, seven of exactly 120 MiB, the 33 norms'
+  scales in one (with the matrices the first merges passed over), the last layer's MLP matrices alone (69 MB), as
+  XLA:TPU's compiled HLO (issued in the order its schedule issues them but the last three); the backward's order
+  closing at the first misfit makes 15. The other whole-slice plans' 4 merges are the same under either rule.
 - **An fp32 loss rides in the gradients' all-reduce** (:func:`merges_loss`) where that is one over the loss's axes:
   llama2k-fsdp16-fp32-selective's six fp32 fsdp all-reduces carry the loss's 4 bytes.
 - **A whole slice's all-gather of a small buffer is an all-reduce** (:func:`gather_allreduce_bytes`,
@@ -77,7 +86,7 @@ from testbed.topology.spec import Topology
 if TYPE_CHECKING:
     from testbed.sim.xla.workload import Workload
 
-__all__ = ["scatters_as_allreduce", "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
+__all__ = ["scatters_as_allreduce", "packs_allreduces", "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
            "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
            "sequence_gather_bytes",
            "gather_element_bytes", "lowered_gathers",
@@ -98,6 +107,13 @@ def scatters_as_allreduce(topology: Topology) -> bool:
         return False
     dims = [level.size for level in levels if level.size > 1]
     return len(dims) >= 3 or (len(dims) == 2 and min(dims) >= 4)
+
+
+def packs_allreduces(topology: Topology) -> bool:
+    """Whether the compiler packs the all-reduces (the gradients', the loss's) to its combiner's bound, each merge
+    taking every next one that still fits in the parameters' pytree order (module docstring): where
+    :func:`scatters_as_allreduce` (the recorded evidence: whole XLA:TPU slices)."""
+    return scatters_as_allreduce(topology)
 
 
 def lowered_reductions(reductions: tuple, mesh: MeshSpec, whole_slice: bool) -> tuple:
