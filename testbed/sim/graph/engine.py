@@ -61,11 +61,22 @@ from testbed.sim.step.step_rules import serial_host
 from testbed.sim.report.timeline import CATEGORIES, Report, Timeline
 from testbed.topology import Calibration, HostCalibration, Topology
 
-__all__ = ["Priced", "Simulation", "compute_seconds", "pass_seconds", "controller_seconds", "price", "run", "simulate",
-           "report"]
+__all__ = ["Priced", "Simulation", "StepAboveBar", "compute_seconds", "pass_seconds", "controller_seconds", "price", "run",
+           "simulate", "report"]
 
 #: Fraction of a task's work below which it counts as finished (rounding of the fluid steps).
 _DONE = 1e-9
+#: A play stops past its bar only once its step floor, taken this much under its sum, is above it (a task finishes
+#: when its work left is under ``_DONE``, and a row's thousands of durations are summed in another order).
+_BAR_SAFETY = 1e-6
+
+
+class StepAboveBar(Exception):
+    """A play stopped once its step was certainly above the bar: ``floor`` (a lower bound of the step) is."""
+
+    def __init__(self, floor: float) -> None:
+        super().__init__(floor)
+        self.floor = floor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,16 +88,24 @@ class Simulation:
     program: Program
 
 
-def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Calibration | None = None) -> Timeline:
+def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Calibration | None = None,
+        bar: float = math.inf) -> Timeline:
     """Play ``program`` with ``priced`` durations as a fluid discrete-event simulation.
 
     Devices computing at once share the host as ``calibration.host_share``
     says (or, without a calibration, ``host_cores`` cores as
     :class:`~testbed.topology.HostCalibration` says; 0: none shared).
+
+    With a finite ``bar`` (and no shared host), raises :class:`StepAboveBar` as soon as the step is certainly above
+    it: a row's tasks run one after another, and a compute or host task, whose rate is ``1 / duration`` slowed
+    only by the communication beside it, takes at least its priced duration; so from any instant the step lasts at
+    least until each row's running task and the compute and host tasks still queued on it have run
+    (:meth:`_Fluid.check`). The bound reads only the play's own durations; a play that is not stopped is the same
+    play as without the bar.
     """
     if calibration is None:
         calibration = Calibration(host=HostCalibration(cores=host_cores)) if host_cores > 0 else Calibration()
-    fluid = _Fluid(program, priced, calibration)
+    fluid = _Fluid(program, priced, calibration, bar)
     fluid.try_rows(range(len(fluid.rows)))
     while fluid.active or fluid.holds:
         fluid.advance()
@@ -97,7 +116,7 @@ class _Fluid:
     """The state of one play: every (device, stream) row's FIFO, the tasks in flight with the fraction of their
     work left and their rates, and a shared host's stragglers."""
 
-    def __init__(self, program: Program, priced: Priced, calibration: Calibration) -> None:
+    def __init__(self, program: Program, priced: Priced, calibration: Calibration, bar: float = math.inf) -> None:
         self.program, self.sharing = program, calibration
         tasks = self.tasks = program.tasks
         self.durations, self.loads = priced.durations, priced.loads
@@ -135,6 +154,28 @@ class _Fluid:
         self.ledger = LinkLedger(priced.bandwidth)
         # Compute beside its device's own collectives and sends runs 1 + slowdown times longer (DeviceSpec).
         self.beside = 1.0 + priced.comm_slowdown
+        # With a bar: per row, the priced seconds of its compute and host tasks not yet started, and their most.
+        self.bar = bar if bar < math.inf and not calibration.shares_host and not self.skewed else math.inf
+        self.left = [0.0] * len(self.rows)
+        if self.bar < math.inf:
+            for i, r in enumerate(self.row_of):
+                if not self.is_comm[i]:
+                    self.left[r] += self.durations[i]
+        self.most = max(self.left, default=0.0)
+
+    def check(self, floor: float) -> None:
+        """Stops the play (:class:`StepAboveBar`) once ``floor``, a lower bound of its step, is above the bar."""
+        if floor * (1.0 - _BAR_SAFETY) > self.bar:
+            raise StepAboveBar(floor * (1.0 - _BAR_SAFETY))
+
+    def _started(self, i: int, r: int) -> None:
+        """With a bar, a compute or host task ``i`` of row ``r`` started now: it ends at ``now + duration`` or later,
+        and the row's queued ones after it."""
+        if self.bar < math.inf and not self.is_comm[i]:
+            left = self.left
+            left[r] -= self.durations[i]
+            self.check(self.now + self.durations[i] + left[r])
+            self.most = max(left)
 
     def try_rows(self, rows) -> None:
         """Starts the head task of each of ``rows`` that is free and whose dependencies are done (and of the rows
@@ -147,6 +188,7 @@ class _Fluid:
             i = queues[r].popleft()
             self.busy[r] = True
             self.start[i] = self.now
+            self._started(i, r)
             t = self.tasks[i]
             if self.skewed and t.kind is TaskKind.COLLECTIVE and not t.interleaved and len(t.group) > 1:
                 # A collective standing alone: its group waits for the last member first (testbed.sim.price.barriers).
@@ -229,6 +271,8 @@ class _Fluid:
         if holds and holds[held][0] < dt:
             first, dt = -1, holds[held][0]
         self.now += dt
+        if self.bar < math.inf:  # every row's queued compute and host tasks still to run from now
+            self.check(self.now + self.most)
         done = []
         for i in active:
             left = active[i] - rate[i] * dt
@@ -336,13 +380,15 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
 MEMO_PROGRAMS = 16
 
 
-def simulate(plan: Plan, topology: Topology, memo: dict | None = None) -> Simulation:
-    """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh).
+def simulate(plan: Plan, topology: Topology, memo: dict | None = None, bar: float = math.inf) -> Simulation:
+    """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh; with a finite
+    ``bar``, :class:`StepAboveBar` once its step is certainly above it, as :func:`run` says).
 
     ``memo`` (one dict per topology, empty at first): the programs and timelines of the last :data:`MEMO_PROGRAMS`
     plans' keys played (testbed.sim.step.facts.facts_key: what program_of reads, known before it builds). A plan
     whose key equals one played before is neither built nor played again: it reuses that program and timeline;
-    its report is its own (memory, MFU).
+    its report is its own (memory, MFU). A key whose play stopped above a bar keeps its floor: a plan of that key
+    under a lower bar stops there at once, one under a higher bar is built and played.
     """
     placement = place(plan, topology)
     controller, serial = topology.calibration.controller is not None, serial_host(topology.calibration)
@@ -353,11 +399,18 @@ def simulate(plan: Plan, topology: Topology, memo: dict | None = None) -> Simula
     if memo is not None and memo.setdefault("topology", topology) is not topology:
         raise ValueError("a simulate memo holds the programs of one topology")
     hit = recall(memo, key, extra) if memo is not None else None
-    if hit is not None:
+    if isinstance(hit, StepAboveBar) and hit.floor > bar:  # stopped before at a floor above this bar too
+        raise StepAboveBar(hit.floor)
+    if hit is not None and not isinstance(hit, StepAboveBar):
         program, timeline = hit
     else:
         program = program_of(facts, placement, controller=controller, serial=serial)
-        timeline = run(program, price(program, topology, dtype), calibration=topology.calibration)
+        try:
+            timeline = run(program, price(program, topology, dtype), calibration=topology.calibration, bar=bar)
+        except StepAboveBar as stop:
+            if memo is not None:
+                keep(memo, key, stop, MEMO_PROGRAMS, extra)
+            raise
         if memo is not None:
             keep(memo, key, (program, timeline), MEMO_PROGRAMS, extra)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)
