@@ -40,6 +40,7 @@ device -> representative map) and a :class:`~testbed.sim.report.timeline.Report`
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -97,15 +98,18 @@ def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Cali
     :class:`~testbed.topology.HostCalibration` says; 0: none shared).
 
     With a finite ``bar`` (and no shared host), raises :class:`StepAboveBar` as soon as the step is certainly above
-    it: a row's tasks run one after another, and a compute or host task, whose rate is ``1 / duration`` slowed
-    only by the communication beside it, takes at least its priced duration; so from any instant the step lasts at
-    least until each row's running task and the compute and host tasks still queued on it have run
-    (:meth:`_Fluid.check`). The bound reads only the play's own durations; a play that is not stopped is the same
-    play as without the bar.
+    it. Every task takes at least its priced duration (a compute or host task runs at ``1 / duration``, slowed
+    only by the communication beside it; a transfer at its standalone rate times a max-min share of at most 1,
+    testbed.sim.price.contention), and starts only once the task before it on its row and its dependencies are
+    done; so a task not yet started at ``now`` ends no earlier than ``now`` plus the longest chain of durations
+    from it through the tasks that wait for it (its tail, :func:`_tails`), and the step is at least that. The
+    bound reads only the play's own durations and order; a play that is not stopped is the same play as without
+    the bar.
     """
     if calibration is None:
         calibration = Calibration(host=HostCalibration(cores=host_cores)) if host_cores > 0 else Calibration()
     fluid = _Fluid(program, priced, calibration, bar)
+    fluid.check_waiting()
     fluid.try_rows(range(len(fluid.rows)))
     while fluid.active or fluid.holds:
         fluid.advance()
@@ -154,28 +158,32 @@ class _Fluid:
         self.ledger = LinkLedger(priced.bandwidth)
         # Compute beside its device's own collectives and sends runs 1 + slowdown times longer (DeviceSpec).
         self.beside = 1.0 + priced.comm_slowdown
-        # With a bar: per row, the priced seconds of its compute and host tasks not yet started, and their most.
+        # With a bar: each task's tail (run's docstring), and the tasks not yet started, longest tail first.
         self.bar = bar if bar < math.inf and not calibration.shares_host and not self.skewed else math.inf
-        self.left = [0.0] * len(self.rows)
+        self.tails: list[float] = []
+        self.waiting: list[tuple[float, int]] = []
         if self.bar < math.inf:
-            for i, r in enumerate(self.row_of):
-                if not self.is_comm[i]:
-                    self.left[r] += self.durations[i]
-        self.most = max(self.left, default=0.0)
+            self.tails = _tails(self.durations, self.queues, self.dependents, self.row_of)
+            self.waiting = [(-x, i) for i, x in enumerate(self.tails)]
+            heapq.heapify(self.waiting)
 
     def check(self, floor: float) -> None:
         """Stops the play (:class:`StepAboveBar`) once ``floor``, a lower bound of its step, is above the bar."""
         if floor * (1.0 - _BAR_SAFETY) > self.bar:
             raise StepAboveBar(floor * (1.0 - _BAR_SAFETY))
 
-    def _started(self, i: int, r: int) -> None:
-        """With a bar, a compute or host task ``i`` of row ``r`` started now: it ends at ``now + duration`` or later,
-        and the row's queued ones after it."""
-        if self.bar < math.inf and not self.is_comm[i]:
-            left = self.left
-            left[r] -= self.durations[i]
-            self.check(self.now + self.durations[i] + left[r])
-            self.most = max(left)
+    def check_waiting(self) -> None:
+        """With a bar: the step is at least now plus the longest tail of a task not yet started."""
+        waiting, start = self.waiting, self.start
+        while waiting and not math.isnan(start[waiting[0][1]]):
+            heapq.heappop(waiting)
+        if waiting:
+            self.check(self.now - waiting[0][0])
+
+    def _started(self, i: int) -> None:
+        """With a bar, task ``i`` started now: the step is at least now plus its tail."""
+        if self.bar < math.inf:
+            self.check(self.now + self.tails[i])
 
     def try_rows(self, rows) -> None:
         """Starts the head task of each of ``rows`` that is free and whose dependencies are done (and of the rows
@@ -188,7 +196,7 @@ class _Fluid:
             i = queues[r].popleft()
             self.busy[r] = True
             self.start[i] = self.now
-            self._started(i, r)
+            self._started(i)
             t = self.tasks[i]
             if self.skewed and t.kind is TaskKind.COLLECTIVE and not t.interleaved and len(t.group) > 1:
                 # A collective standing alone: its group waits for the last member first (testbed.sim.price.barriers).
@@ -271,8 +279,8 @@ class _Fluid:
         if holds and holds[held][0] < dt:
             first, dt = -1, holds[held][0]
         self.now += dt
-        if self.bar < math.inf:  # every row's queued compute and host tasks still to run from now
-            self.check(self.now + self.most)
+        if self.bar < math.inf:
+            self.check_waiting()
         done = []
         for i in active:
             left = active[i] - rate[i] * dt
@@ -311,6 +319,48 @@ class _Fluid:
         step = max((e + step_end_wait(self.host, multiplicity[d], self.carry.get(d, 0.0)) if self.skewed else e
                     for d, e in last.items()), default=0.0)
         return _timeline(self.program, self.rows, self.row_of, self.start, end, step, self.worked)
+
+
+def _tails(durations, queues: list[deque], dependents: list[list[int]], row_of: list[int]) -> list[float]:
+    """Each task's tail: its duration plus the longest tail of what waits for it (the next task on its row, and its
+    dependents), the tasks taken in reverse topological order (testbed.sim.graph.program lists each task after
+    its dependencies and each row in order; Kahn's order otherwise)."""
+    n = len(durations)
+    after = [-1] * n
+    for queue in queues:
+        for a, b in zip(queue, list(queue)[1:]):
+            after[a] = b
+    order = range(n - 1, -1, -1)
+    if any(d <= i for i in range(n) for d in dependents[i]) or any(0 <= b <= a for a, b in enumerate(after)):
+        order = _reverse_topological(dependents, after)
+    tails = [0.0] * n
+    for i in order:
+        b = after[i]
+        longest = tails[b] if b >= 0 else 0.0
+        for d in dependents[i]:
+            if tails[d] > longest:
+                longest = tails[d]
+        tails[i] = max(durations[i], 0.0) + longest
+    return tails
+
+
+def _reverse_topological(dependents: list[list[int]], after: list[int]) -> list[int]:
+    """The tasks, each after every task that waits for it (Kahn's algorithm on the dependents and row edges)."""
+    n = len(after)
+    waits = [0] * n
+    for i in range(n):
+        for d in (*dependents[i], *((after[i],) if after[i] >= 0 else ())):
+            waits[d] += 1
+    ready = [i for i in range(n) if not waits[i]]
+    order = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for d in (*dependents[i], *((after[i],) if after[i] >= 0 else ())):
+            waits[d] -= 1
+            if not waits[d]:
+                ready.append(d)
+    return order[::-1]
 
 
 def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end, step: float,
