@@ -106,6 +106,7 @@ def compare(name: str, plan: Plan, topology: Topology, space: SearchSpace = SPAC
             "published_fits": memory_breakdown(plan, topology).fits, "best_s": round(best.step_time_s, 4),
             "ratio": round(best.step_time_s / published, 4), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
             "enumerated": result.enumerated, "estimated": result.estimated, "replayed": result.replayed,
+            "replays_stopped": result.replays_stopped,
             "best": {k: v for k, v in best.summary().items()
                      if k in ("data", "fsdp", "tensor", "stage", "context", "expert", "schedule", "virtual_stages",
                               "microbatches", "zero", "remat", "sequence_parallel")}}
