@@ -7,7 +7,8 @@ best plan's DES step time is compared with the published layout's under the same
 ``ratio`` = search's best / published layout (<= 1.00: the search is at least as good by testbed's own
 prediction). ``published_fits``: whether the published layout fits testbed's memory model (every one trained,
 so false is the memory model's miss; the search keeps to plans that fit). ``wall_s`` and ``cpu_s``: the
-search's own time (the load average beside them says how shared the machine was).
+search's own time (the load average beside them says how shared the machine was); ``replayed`` its DES replays,
+``replays_stopped`` those of them the DES stopped once certainly slower than the best five.
 
 Prints one JSON object: ``runs`` (one row each, smallest device count first), ``worst_ratio``, ``all_no_slower``,
 ``max_wall_s``, ``max_cpu_s``, ``failed`` (runs the search found no layout for: their row's ``error``),
