@@ -7,7 +7,8 @@ best plan's DES step time is compared with the published layout's under the same
 ``ratio`` = search's best / published layout (<= 1.00: the search is at least as good by testbed's own
 prediction). ``published_fits``: whether the published layout fits testbed's memory model (every one trained,
 so false is the memory model's miss; the search keeps to plans that fit). ``wall_s`` and ``cpu_s``: the
-search's own time (the load average beside them says how shared the machine was).
+search's own time (the load average beside them says how shared the machine was); ``replayed`` its DES replays,
+``replays_stopped`` those of them the DES stopped once certainly slower than the best five.
 
 Prints one JSON object: ``runs`` (one row each, smallest device count first), ``worst_ratio``, ``all_no_slower``,
 ``max_wall_s``, ``max_cpu_s``, ``failed`` (runs the search found no layout for: their row's ``error``),
@@ -106,6 +107,7 @@ def compare(name: str, plan: Plan, topology: Topology, space: SearchSpace = SPAC
             "published_fits": memory_breakdown(plan, topology).fits, "best_s": round(best.step_time_s, 4),
             "ratio": round(best.step_time_s / published, 4), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
             "enumerated": result.enumerated, "estimated": result.estimated, "replayed": result.replayed,
+            "replays_stopped": result.replays_stopped,
             "best": {k: v for k, v in best.summary().items()
                      if k in ("data", "fsdp", "tensor", "stage", "context", "expert", "schedule", "virtual_stages",
                               "microbatches", "zero", "remat", "sequence_parallel")}}

@@ -129,6 +129,7 @@ def test_search_figures():
     assert f"{data['enumerated']} plans, {data['pruned_memory']} over memory, " in text
     assert f"{data['pruned_bound']} too slow to replay by their step floor, {data['estimated']} estimated" in text
     assert f", {data['replayed']} replayed" in text  # the rate per minute between them is this host's
+    assert f"{data['replayed']} replayed ({data['replays_stopped']} stopped once slower than the best 3)" in text
     from testbed.units import format_time
 
     assert f"the plan as written: {format_time(data['baseline_step_time_s'])} per step" in text

@@ -9,6 +9,7 @@ pass the runner's verify.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -230,7 +231,7 @@ def test_search_settles_when_the_des_is_slower_than_the_analytic_tier(monkeypatc
     fitting = [p for p in candidates(base, 8, space) if plan_memory(p, topology).fits]
     first = min(fitting, key=lambda p: estimate(p, topology).step_time_s)
 
-    def slow_des(plan, topology, memo=None):  # every plan of the analytic tier's favourite tensor degree replays 1.6x slower
+    def slow_des(plan, topology, memo=None, bar=math.inf):  # every plan of the analytic tier's favourite tensor degree replays 1.6x slower
         est = estimate(plan, topology).step_time_s
         return types.SimpleNamespace(report=types.SimpleNamespace(
             step_time_s=est * (1.6 if plan.mesh.tensor == first.mesh.tensor else 1.0)), timeline=None)

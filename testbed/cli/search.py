@@ -187,7 +187,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     start = PRESET_START if args.model in PRESETS else None
     data = {"model": plan.name, "preset_start": start, "topology": topology.name, "devices": topology.num_devices,
             "objective": args.objective, "enumerated": result.enumerated, "pruned_memory": result.pruned_memory,
-            "pruned_bound": result.pruned_bound, "estimated": result.estimated, "replayed": result.replayed, "analytic_s": result.analytic_s,
+            "pruned_bound": result.pruned_bound, "estimated": result.estimated, "replayed": result.replayed,
+            "replays_stopped": result.replays_stopped, "analytic_s": result.analytic_s,
             "replay_s": result.replay_s, "plans_per_minute": result.plans_per_minute,
             "baseline_step_time_s": baseline, "ranked": rows, "best_plan": plan_to_dict(written), "out": args.out,
             "runner_refuses": runner_refusal(best.plan)}
@@ -196,7 +197,9 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         console.print(f"[bold]{markup(plan.name)}[/bold] on [bold]{markup(topology.name)}[/bold] "
                       f"({topology.num_devices} devices): {result.enumerated} plans, {result.pruned_memory} over "
                       f"memory, {result.pruned_bound} too slow to replay by their step floor, {result.estimated} estimated "
-                      f"({result.plans_per_minute:,.0f}/min), {result.replayed} replayed")
+                      f"({result.plans_per_minute:,.0f}/min), {result.replayed} replayed"
+                      + (f" ({result.replays_stopped} stopped once slower than the best {args.top})"
+                         if result.replays_stopped else ""))
         if start:
             console.print(f"from the preset with {start}; runtime {markup(plan.runtime.profile)}")
         _render_ranked(console, rows)

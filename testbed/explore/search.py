@@ -9,6 +9,9 @@
 4. the best ``replay`` of them (and any within ``margin`` of the best
    estimate) are simulated with the discrete-event simulator, whose report
    decides the final ranking: the analytic tier only chooses what to replay.
+   Once ``top`` are replayed, a replay stops as soon as its step is certainly
+   slower than the ``top`` fastest so far (testbed.sim.graph.engine.run's bar),
+   so the ``top`` fastest replayed are those of replaying every one whole.
 
 Objectives: ``step_time`` (seconds, lower is better), ``tokens_per_s``,
 ``mfu`` and ``cost`` (tokens per dollar, from a price per device-hour);
@@ -35,9 +38,9 @@ from testbed.explore.gather_floor import gather_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
 from testbed.explore.choices import SearchSpace
 from testbed.explore.candidates import CandidateGroup, candidate_groups, candidates
-from testbed.model.costs import model_flops_per_step
+from testbed.explore.objectives import OBJECTIVES, objective_value
 from testbed.plan.spec import Plan
-from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.engine import StepAboveBar, simulate
 from testbed.sim.report.exposed import cached_exposed_by_kind
 from testbed.sim.report.timeline import Report
 from testbed.topology import Topology
@@ -47,40 +50,6 @@ __all__ = ["OBJECTIVES", "Candidate", "SearchResult", "search", "objective_value
 #: Layouts whose model states fit that a search bounds at most (each kept as its step floor and a reference into
 #: its candidate group, about 200 bytes; a plan is built only once it may be estimated).
 MAX_CANDIDATES = 1_000_000
-#: Objective -> True when higher is better.
-OBJECTIVES: dict[str, bool] = {"step_time": False, "tokens_per_s": True, "mfu": True, "cost": True}
-
-
-def objective_value(objective: str, plan: Plan, topology: Topology, step_time_s: float,
-                    price_per_device_hour: float | None = None) -> float:
-    """The objective's value of ``plan`` stepping in ``step_time_s`` (``cost``: tokens per dollar).
-
-    ``cost`` prices a device-hour at ``price_per_device_hour``, or else at the
-    topology's own ``price_per_device_hour``.
-    """
-    if step_time_s <= 0:
-        return 0.0 if OBJECTIVES[objective] else float("inf")
-    if objective == "step_time":
-        return step_time_s
-    if objective == "tokens_per_s":
-        return plan.tokens_per_step / step_time_s
-    if objective == "mfu":
-        peak = topology.device.flops(plan.precision.compute_dtype)
-        return model_flops_per_step(plan) / (topology.num_devices * peak * step_time_s)
-    if objective == "cost":
-        if price_per_device_hour is None:
-            price_per_device_hour = topology.price_per_device_hour
-        if price_per_device_hour is None:
-            raise InputError(f"the cost objective needs a positive price per device-hour: give --price or add "
-                             f"`price_per_device_hour` to the topology `{topology.name}`", field="--price")
-        from testbed.topology.spec import check_price
-
-        check_price(price_per_device_hour, "--price")
-        dollars = price_per_device_hour * topology.num_devices * step_time_s / 3600.0
-        return plan.tokens_per_step / dollars
-    raise InputError(f"unknown objective `{objective}`; valid: {', '.join(OBJECTIVES)}", field="--objective")
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Candidate:
     """One evaluated plan: its analytic estimate, its DES report once replayed, and its objective value."""
@@ -129,6 +98,8 @@ class SearchResult:
     analytic_s: float
     replay_s: float
     shortlist: tuple[Candidate, ...] = field(default=())
+    #: Of the ``replayed``, those the DES stopped once certainly slower than the ``top`` fastest (not in ``ranked``).
+    replays_stopped: int = 0
 
     @property
     def best(self) -> Candidate:
@@ -205,7 +176,7 @@ def _overflows(plan: Plan, topology: Topology, memory_cap: float, floors: dict |
 
 def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *, objective: str = "step_time",
            memory_cap: float = 1.0, replay: int = 16, margin: float = 0.02, top: int = 5,
-           price_per_device_hour: float | None = None,
+           price_per_device_hour: float | None = None, stop_replays: bool = True,
            progress: Callable[[str, int, int], None] | None = None) -> SearchResult:
     """Find the best layout of ``base`` on ``topology``: the DES-ranked best ``max(top, replay)`` candidates.
 
@@ -215,6 +186,8 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         memory_cap: fraction of device memory a plan may use (0, 1].
         replay: how many analytically best candidates the DES replays; also
             every one within ``margin`` (relative) of the best estimate.
+        stop_replays: ranking by step time, stop each replay once it is certainly
+            slower than the ``top`` fastest replayed so far (the ``top`` are the same).
         progress: called with ("bounds", done, total, left_s) while every plan's
             model states and step floor are bounded (ranking by step time),
             ("analytic", done, total, left_s) as the analytic tier advances, then
@@ -236,6 +209,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
 
     eta = TimeLeft()
     tier = _analytic_tier(groups, topology, memory_cap, max(replay, top), margin, by_time, rank, progress, eta)
+    tier.top = top if by_time and stop_replays else 0
     analytic_s = time.perf_counter() - start
     shortlist = sorted(tier.shortlist, key=lambda c: _sort_key(objective, c))
     chosen = shortlist[:max(replay, top)]
@@ -250,8 +224,8 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
     replayed.sort(key=lambda c: _sort_key(objective, c))
     return SearchResult(ranked=tuple(replayed), objective=objective, enumerated=tier.enumerated,
                         pruned_memory=tier.pruned, pruned_bound=tier.bounded - len(tier.revived), estimated=len(shortlist),
-                        replayed=len(replayed), analytic_s=analytic_s, replay_s=time.perf_counter() - start,
-                        shortlist=tuple(shortlist))
+                        replayed=len(replayed) + tier.stopped, analytic_s=analytic_s,
+                        replay_s=time.perf_counter() - start, shortlist=tuple(shortlist), replays_stopped=tier.stopped)
 
 
 def _check_arguments(base: Plan, topology: Topology, objective: str, memory_cap: float, replay: int, top: int,
@@ -273,7 +247,8 @@ def _replay_all(chosen: list, topology: Topology, rank: Callable, progress: Call
     replayed = []
     eta.update("replay", 0)
     for k, c in enumerate(chosen):
-        replayed.append(_replayed(c, topology, rank, tier))
+        if (done := _replayed(c, topology, rank, tier)) is not None:
+            replayed.append(done)
         if progress is not None:
             eta.update("replay", k + 1)
             progress("replay", k + 1, len(chosen), eta.seconds("replay", len(chosen) - k - 1))
@@ -295,6 +270,9 @@ class _Tier:
     pruned: int = 0
     bounded: int = 0
     enumerated: int = 0
+    top: int = 0  # replays stop once certainly slower than this many replayed (0: never; _replayed)
+    steps: list[float] = field(default_factory=list)  # the replayed DES steps, sorted
+    stopped: int = 0
 
 
 def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap: float, keep: int, margin: float,
@@ -434,9 +412,18 @@ def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: floa
             heapq.heappop(fastest)
 
 
-def _replayed(c: Candidate, topology: Topology, rank: Callable, tier: _Tier) -> Candidate:
-    """``c`` replayed by the DES, with ``tier``'s memos of timelines (simulate's) and of their exposed kinds."""
-    sim = simulate(c.plan, topology, tier.played)
+def _replayed(c: Candidate, topology: Topology, rank: Callable, tier: _Tier) -> Candidate | None:
+    """``c`` replayed by the DES, with ``tier``'s memos of timelines (simulate's) and of their exposed kinds; None
+    (counted in ``tier.stopped``) where the DES stopped it above the ``tier.top``-th fastest step replayed: it is
+    slower than each of them, so not among the ``top`` fastest."""
+    steps = tier.steps
+    bar = steps[tier.top - 1] if tier.top and len(steps) >= tier.top else math.inf
+    try:
+        sim = simulate(c.plan, topology, tier.played, bar)
+    except StepAboveBar:
+        tier.stopped += 1
+        return None
+    bisect.insort(steps, sim.report.step_time_s)
     return Candidate(plan=c.plan, estimate=c.estimate, report=sim.report, value=rank(c.plan, sim.report.step_time_s),
                      exposed_by_kind=cached_exposed_by_kind(sim.timeline, tier.exposed))
 
@@ -460,7 +447,8 @@ def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topol
     pending = sorted(rest, key=lambda c: c.estimate.step_time_s)
     deferred = sorted(tier.deferred, key=lambda x: x[0])
     out: list[Candidate] = []
-    while len(out) < SETTLE_LIMIT:
+    tries = 0  # a replay stopped above the bar counts too: it is slower than the best, which it leaves alone
+    while tries < SETTLE_LIMIT:
         while deferred and deferred[0][0] * (1 + margin) < best:  # its estimate may beat the best: estimate it
             plan = _built(deferred.pop(0)[1])
             est = evaluate(plan, topology, memory_cap, tier.floors, plays=tier.plays)
@@ -472,10 +460,12 @@ def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topol
             bisect.insort(pending, tier.revived[-1], key=lambda c: c.estimate.step_time_s)
         if not pending or pending[0].estimate.step_time_s * (1 + margin) >= best:
             break
-        out.append(_replayed(pending.pop(0), topology, rank, tier))
-        best = min(best, out[-1].report.step_time_s)
+        tries += 1
+        if (done := _replayed(pending.pop(0), topology, rank, tier)) is not None:
+            out.append(done)
+            best = min(best, done.report.step_time_s)
         if progress is not None:
-            progress("replay", len(replayed) + len(out), len(replayed) + len(out), None)
+            progress("replay", len(replayed) + tries, len(replayed) + tries, None)
     return out
 
 

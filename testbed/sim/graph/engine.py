@@ -40,6 +40,7 @@ device -> representative map) and a :class:`~testbed.sim.report.timeline.Report`
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -61,11 +62,22 @@ from testbed.sim.step.step_rules import serial_host
 from testbed.sim.report.timeline import CATEGORIES, Report, Timeline
 from testbed.topology import Calibration, HostCalibration, Topology
 
-__all__ = ["Priced", "Simulation", "compute_seconds", "pass_seconds", "controller_seconds", "price", "run", "simulate",
-           "report"]
+__all__ = ["Priced", "Simulation", "StepAboveBar", "compute_seconds", "pass_seconds", "controller_seconds", "price", "run",
+           "simulate", "report"]
 
 #: Fraction of a task's work below which it counts as finished (rounding of the fluid steps).
 _DONE = 1e-9
+#: A play stops past its bar only once its step floor, taken this much under its sum, is above it (a task finishes
+#: when its work left is under ``_DONE``, and a row's thousands of durations are summed in another order).
+_BAR_SAFETY = 1e-6
+
+
+class StepAboveBar(Exception):
+    """A play stopped once its step was certainly above the bar: ``floor`` (a lower bound of the step) is."""
+
+    def __init__(self, floor: float) -> None:
+        super().__init__(floor)
+        self.floor = floor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,16 +89,27 @@ class Simulation:
     program: Program
 
 
-def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Calibration | None = None) -> Timeline:
+def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Calibration | None = None,
+        bar: float = math.inf) -> Timeline:
     """Play ``program`` with ``priced`` durations as a fluid discrete-event simulation.
 
     Devices computing at once share the host as ``calibration.host_share``
     says (or, without a calibration, ``host_cores`` cores as
     :class:`~testbed.topology.HostCalibration` says; 0: none shared).
+
+    With a finite ``bar`` (and no shared host), raises :class:`StepAboveBar` as soon as the step is certainly above
+    it. Every task takes at least its priced duration (a compute or host task runs at ``1 / duration``, slowed
+    only by the communication beside it; a transfer at its standalone rate times a max-min share of at most 1,
+    testbed.sim.price.contention), and starts only once the task before it on its row and its dependencies are
+    done; so a task not yet started at ``now`` ends no earlier than ``now`` plus the longest chain of durations
+    from it through the tasks that wait for it (its tail, :func:`_tails`), and the step is at least that. The
+    bound reads only the play's own durations and order; a play that is not stopped is the same play as without
+    the bar.
     """
     if calibration is None:
         calibration = Calibration(host=HostCalibration(cores=host_cores)) if host_cores > 0 else Calibration()
-    fluid = _Fluid(program, priced, calibration)
+    fluid = _Fluid(program, priced, calibration, bar)
+    fluid.check_waiting()
     fluid.try_rows(range(len(fluid.rows)))
     while fluid.active or fluid.holds:
         fluid.advance()
@@ -97,7 +120,7 @@ class _Fluid:
     """The state of one play: every (device, stream) row's FIFO, the tasks in flight with the fraction of their
     work left and their rates, and a shared host's stragglers."""
 
-    def __init__(self, program: Program, priced: Priced, calibration: Calibration) -> None:
+    def __init__(self, program: Program, priced: Priced, calibration: Calibration, bar: float = math.inf) -> None:
         self.program, self.sharing = program, calibration
         tasks = self.tasks = program.tasks
         self.durations, self.loads = priced.durations, priced.loads
@@ -135,6 +158,32 @@ class _Fluid:
         self.ledger = LinkLedger(priced.bandwidth)
         # Compute beside its device's own collectives and sends runs 1 + slowdown times longer (DeviceSpec).
         self.beside = 1.0 + priced.comm_slowdown
+        # With a bar: each task's tail (run's docstring), and the tasks not yet started, longest tail first.
+        self.bar = bar if bar < math.inf and not calibration.shares_host and not self.skewed else math.inf
+        self.tails: list[float] = []
+        self.waiting: list[tuple[float, int]] = []
+        if self.bar < math.inf:
+            self.tails = _tails(self.durations, self.queues, self.dependents, self.row_of)
+            self.waiting = [(-x, i) for i, x in enumerate(self.tails)]
+            heapq.heapify(self.waiting)
+
+    def check(self, floor: float) -> None:
+        """Stops the play (:class:`StepAboveBar`) once ``floor``, a lower bound of its step, is above the bar."""
+        if floor * (1.0 - _BAR_SAFETY) > self.bar:
+            raise StepAboveBar(floor * (1.0 - _BAR_SAFETY))
+
+    def check_waiting(self) -> None:
+        """With a bar: the step is at least now plus the longest tail of a task not yet started."""
+        waiting, start = self.waiting, self.start
+        while waiting and not math.isnan(start[waiting[0][1]]):
+            heapq.heappop(waiting)
+        if waiting:
+            self.check(self.now - waiting[0][0])
+
+    def _started(self, i: int) -> None:
+        """With a bar, task ``i`` started now: the step is at least now plus its tail."""
+        if self.bar < math.inf:
+            self.check(self.now + self.tails[i])
 
     def try_rows(self, rows) -> None:
         """Starts the head task of each of ``rows`` that is free and whose dependencies are done (and of the rows
@@ -147,6 +196,7 @@ class _Fluid:
             i = queues[r].popleft()
             self.busy[r] = True
             self.start[i] = self.now
+            self._started(i)
             t = self.tasks[i]
             if self.skewed and t.kind is TaskKind.COLLECTIVE and not t.interleaved and len(t.group) > 1:
                 # A collective standing alone: its group waits for the last member first (testbed.sim.price.barriers).
@@ -229,6 +279,8 @@ class _Fluid:
         if holds and holds[held][0] < dt:
             first, dt = -1, holds[held][0]
         self.now += dt
+        if self.bar < math.inf:
+            self.check_waiting()
         done = []
         for i in active:
             left = active[i] - rate[i] * dt
@@ -267,6 +319,48 @@ class _Fluid:
         step = max((e + step_end_wait(self.host, multiplicity[d], self.carry.get(d, 0.0)) if self.skewed else e
                     for d, e in last.items()), default=0.0)
         return _timeline(self.program, self.rows, self.row_of, self.start, end, step, self.worked)
+
+
+def _tails(durations, queues: list[deque], dependents: list[list[int]], row_of: list[int]) -> list[float]:
+    """Each task's tail: its duration plus the longest tail of what waits for it (the next task on its row, and its
+    dependents), the tasks taken in reverse topological order (testbed.sim.graph.program lists each task after
+    its dependencies and each row in order; Kahn's order otherwise)."""
+    n = len(durations)
+    after = [-1] * n
+    for queue in queues:
+        for a, b in zip(queue, list(queue)[1:]):
+            after[a] = b
+    order = range(n - 1, -1, -1)
+    if any(d <= i for i in range(n) for d in dependents[i]) or any(0 <= b <= a for a, b in enumerate(after)):
+        order = _reverse_topological(dependents, after)
+    tails = [0.0] * n
+    for i in order:
+        b = after[i]
+        longest = tails[b] if b >= 0 else 0.0
+        for d in dependents[i]:
+            if tails[d] > longest:
+                longest = tails[d]
+        tails[i] = max(durations[i], 0.0) + longest
+    return tails
+
+
+def _reverse_topological(dependents: list[list[int]], after: list[int]) -> list[int]:
+    """The tasks, each after every task that waits for it (Kahn's algorithm on the dependents and row edges)."""
+    n = len(after)
+    waits = [0] * n
+    for i in range(n):
+        for d in (*dependents[i], *((after[i],) if after[i] >= 0 else ())):
+            waits[d] += 1
+    ready = [i for i in range(n) if not waits[i]]
+    order = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for d in (*dependents[i], *((after[i],) if after[i] >= 0 else ())):
+            waits[d] -= 1
+            if not waits[d]:
+                ready.append(d)
+    return order[::-1]
 
 
 def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end, step: float,
@@ -336,13 +430,15 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
 MEMO_PROGRAMS = 16
 
 
-def simulate(plan: Plan, topology: Topology, memo: dict | None = None) -> Simulation:
-    """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh).
+def simulate(plan: Plan, topology: Topology, memo: dict | None = None, bar: float = math.inf) -> Simulation:
+    """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh; with a finite
+    ``bar``, :class:`StepAboveBar` once its step is certainly above it, as :func:`run` says).
 
     ``memo`` (one dict per topology, empty at first): the programs and timelines of the last :data:`MEMO_PROGRAMS`
     plans' keys played (testbed.sim.step.facts.facts_key: what program_of reads, known before it builds). A plan
     whose key equals one played before is neither built nor played again: it reuses that program and timeline;
-    its report is its own (memory, MFU).
+    its report is its own (memory, MFU). A key whose play stopped above a bar keeps its floor: a plan of that key
+    under a lower bar stops there at once, one under a higher bar is built and played.
     """
     placement = place(plan, topology)
     controller, serial = topology.calibration.controller is not None, serial_host(topology.calibration)
@@ -353,11 +449,18 @@ def simulate(plan: Plan, topology: Topology, memo: dict | None = None) -> Simula
     if memo is not None and memo.setdefault("topology", topology) is not topology:
         raise ValueError("a simulate memo holds the programs of one topology")
     hit = recall(memo, key, extra) if memo is not None else None
-    if hit is not None:
+    if isinstance(hit, StepAboveBar) and hit.floor > bar:  # stopped before at a floor above this bar too
+        raise StepAboveBar(hit.floor)
+    if hit is not None and not isinstance(hit, StepAboveBar):
         program, timeline = hit
     else:
         program = program_of(facts, placement, controller=controller, serial=serial)
-        timeline = run(program, price(program, topology, dtype), calibration=topology.calibration)
+        try:
+            timeline = run(program, price(program, topology, dtype), calibration=topology.calibration, bar=bar)
+        except StepAboveBar as stop:
+            if memo is not None:
+                keep(memo, key, stop, MEMO_PROGRAMS, extra)
+            raise
         if memo is not None:
             keep(memo, key, (program, timeline), MEMO_PROGRAMS, extra)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)
