@@ -35,6 +35,7 @@ from testbed.explore.analytic import Estimate, estimate, plan_memory
 from testbed.explore.eta import TimeLeft
 from testbed.explore.floor import cached_peaks, cached_played_floor, cached_step_floor, group_floor_key, placed_floor
 from testbed.explore.gather_floor import gather_floor
+from testbed.explore.slowed_floor import slowed_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
 from testbed.explore.choices import SearchSpace
 from testbed.explore.candidates import CandidateGroup, candidate_groups, candidates
@@ -366,7 +367,7 @@ def _best_first(tier: _Tier, bounded: list, before: int, topology: Topology, mem
                 tier.pruned += 1
                 continue
             if floor:
-                for bound in (gather_floor, placed_floor):
+                for bound in (gather_floor, placed_floor, slowed_floor):
                     tight = max(tight, bound(plan, topology)) if tight <= bar else tight
                 if tight > bar:
                     tier.bounded += 1
