@@ -79,16 +79,18 @@ def _middle_gathers(plan: Plan, topology: Topology) -> dict[tuple[int, int, str]
     if not _gathered(plan, topology) or plan.model.experts:
         return {}
     coll, axes, combine, param_b, matmul_b, lowering = _pricing(plan, topology)
-    p, v, priced, out = plan.mesh.stage, plan.schedule.virtual_stages, {}, {}
+    p, v, priced, sizes, out = plan.mesh.stage, plan.schedule.virtual_stages, {}, {}, {}
+    kinds = [kind for kind in ("F", "B") if gathers_parameters(plan, kind)]
     for s in sorted({0, p // 2, p - 1}):
         for c in range(v):
             cost = cached_chunk_cost(plan, s, c)
             if cost.has_embedding or cost.has_head:
                 continue
-            for split in _chunk_sizes(plan, s, c, combine, param_b, cost, False, matmul_b, lowering):
-                kinds = [kind for kind in ("F", "B") if gathers_parameters(plan, kind)]
-                for kind, sizes in zip(kinds, split):
-                    out[(s, c, kind)] = _block_seconds(coll, axes, s, sizes, priced)
+            if cost.layers not in sizes:  # a dense chunk's gathers follow its layer count (as _per_microbatch's)
+                sizes[cost.layers] = _chunk_sizes(plan, s, c, combine, param_b, cost, False, matmul_b, lowering)
+            for split in sizes[cost.layers]:
+                for kind, blocks in zip(kinds, split):
+                    out[(s, c, kind)] = _block_seconds(coll, axes, s, blocks, priced)
     return out
 
 
