@@ -292,7 +292,8 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     .played_floor`, a lower bound of the estimate that counts the pipeline's bubble, memoized across plans alike in
     it), and before its estimate its parameter gathers are summed as its stages play them one after another
     (:func:`testbed.explore.gather_floor.gather_floor`), then its step floor taken with its own tensor groups'
-    collectives (:func:`testbed.explore.floor.placed_floor`); it is skipped when any is above the bar (a plan so
+    collectives (:func:`testbed.explore.floor.placed_floor`) and with its gathers' comm slowdown
+    (:func:`testbed.explore.slowed_floor.slowed_floor`); it is skipped when any is above the bar (a plan so
     skipped that would not fit is counted as skipped, not over memory; :func:`_settle` checks its memory before it
     could be estimated): the bar only falls, so it would be above the final bar too, and the plans estimated at
     or below the final bar are the same.
