@@ -32,7 +32,7 @@ from testbed.sim.xla.xla_tpu import narrows_gathers, sequence_gather_bytes
 from testbed.sim.step.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
-__all__ = ["step_floor", "placed_floor", "played_floor", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
+__all__ = ["step_floor", "placed_floor", "played_floor", "played_at", "stage_floors", "combined", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
            "cached_peaks"]
 
 
@@ -91,8 +91,8 @@ def floor_key(plan: Plan) -> tuple:
 
 def _step_floor(plan: Plan, topology: Topology) -> float | None:
     """:func:`step_floor`, not memoized."""
-    priced = _stage_floors(plan, topology)
-    return None if priced is None else _combined(plan, priced)
+    priced = stage_floors(plan, topology)
+    return None if priced is None else combined(plan, priced)
 
 
 def placed_floor(plan: Plan, topology: Topology) -> float:
@@ -114,7 +114,7 @@ def _placed_floor(plan: Plan, topology: Topology) -> float:
     if plan.mesh.tensor == 1 or plan.runtime.tp_comm_overlap or (
             gathers_parameters(plan, "F") and state_sharding(plan).ways(plan, "params") > 1):
         return 0.0
-    priced = _stage_floors(plan, topology)
+    priced = stage_floors(plan, topology)
     if priced is None:
         return 0.0
     coll = StageCollectives(topology, place(plan, topology).device_ids)
@@ -135,10 +135,10 @@ def _placed_floor(plan: Plan, topology: Topology) -> float:
                 extra[key] = max(0.0, exact - _tensor_floor(plan, topology, transfers))
             seconds[(c, kind)] += extra[key]
         out.append(seconds)
-    return _combined(plan, out)
+    return combined(plan, out)
 
 
-def _combined(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
+def combined(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
     """:func:`step_floor` from each stage's action floors ``(chunk, kind) -> seconds``: (a) the busiest stage's
     every action, (b) with one chunk per stage, the first microbatch's way to the last stage and back."""
     m, p = plan.batch.microbatches, plan.mesh.stage
@@ -189,9 +189,13 @@ def cached_played_floor(key: tuple, plan: Plan, topology: Topology) -> float | N
 
 def _played_floor(plan: Plan, topology: Topology) -> float | None:
     """:func:`played_floor`, not memoized."""
-    priced = _stage_floors(plan, topology)
-    if priced is None:
-        return None
+    priced = stage_floors(plan, topology)
+    return None if priced is None else played_at(plan, priced)
+
+
+def played_at(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
+    """The schedule's dependency order played with each action at ``priced``'s seconds (per stage, ``(chunk, kind)``
+    -> seconds), as :func:`played_floor` plays it at its floors: the latest end."""
     p = plan.mesh.stage
     end: dict[tuple, float] = {}
     free = [0.0] * p
@@ -215,10 +219,12 @@ def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[int, tuple, t
                  for s, a, w in cached_order(name, p, m, v)[1])
 
 
-def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], float]] | None:
+def stage_floors(plan: Plan, topology: Topology, computes: list | None = None
+                  ) -> list[dict[tuple[int, str], float]] | None:
     """Per stage, each ``(chunk, kind)`` action's floor seconds (its compute, :func:`_action_floor`, and its
     blocking tensor collectives', :func:`_tensor_floor`); None where no floor applies (:func:`step_floor`).
-    Stages alike in layers, embedding and head share one dict."""
+    Stages alike in layers, embedding and head share one dict. ``computes``, when given, gets per stage the same
+    floors less their tensor collectives' (an MoE chain's all-to-alls stay in)."""
     mesh, v = plan.mesh, plan.schedule.virtual_stages
     if mesh.context > 1 or topology.calibration.host is not None:
         return None
@@ -236,7 +242,7 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
     for s in range(p):
         key = (plan.stage_layers[s], s == 0, s == p - 1) if moe is None else moe[s]
         if key not in priced:
-            seconds = {}
+            seconds, alone = {}, {}
             for c in range(v):
                 # A chunk's cost and GEMMs (testbed.model.costs.chunk_cost) follow its layers' kinds (a dense model's:
                 # its layer count) and the embedding and head it holds (testbed.sim.step.facts.alike_key) beside what
@@ -247,20 +253,24 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
                 if hit is None:
                     cost, gemms = cached_chunk_cost(plan, s, c), cached_chunk_gemms(plan, s, c)
                     n_moe = 0 if moe is None else moe[s][c][-1]
-                    hit = {}
+                    hit, whole = {}, {}
                     for kind in kinds:
-                        whole, tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype, n_moe)
-                        hit[kind] = whole + _tensor_floor(plan, topology, tensor)
+                        whole[kind], tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype, n_moe)
+                        hit[kind] = whole[kind] + _tensor_floor(plan, topology, tensor)
                     if len(memo) > 100_000:
                         memo.clear()
-                    memo[alike] = hit = (hit, cost.params)
+                    memo[alike] = hit = (hit, cost.params, whole)
                 seconds.update({(c, kind): x for kind, x in hit[0].items()})
+                alone.update({(c, kind): x for kind, x in hit[2].items()})
                 if accumulates:
                     if hit[1] not in added:
                         added[hit[1]] = _accumulate_floor(plan, topology, hit[1])
                     seconds[(c, kinds[-1])] += added[hit[1]]
-            priced[key] = seconds
-        out.append(priced[key])
+                    alone[(c, kinds[-1])] += added[hit[1]]
+            priced[key] = (seconds, alone)
+        out.append(priced[key][0])
+        if computes is not None:
+            computes.append(priced[key][1])
     return out
 
 

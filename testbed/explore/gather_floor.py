@@ -37,7 +37,7 @@ from testbed.sim.step.memo import cached_chunk_cost
 from testbed.sim.xla.xla_tpu import gather_lowering, matmul_gather_bytes, narrows_gathers
 from testbed.topology import Topology
 
-__all__ = ["gather_floor", "gather_seconds_per_microbatch", "gather_key"]
+__all__ = ["gather_floor", "gather_seconds_per_microbatch", "gather_key", "middle_gathers"]
 
 
 def gather_floor(plan: Plan, topology: Topology) -> float:
@@ -59,18 +59,59 @@ def gather_seconds_per_microbatch(plan: Plan, topology: Topology) -> float:
     return memoized(topology, "gather_floor", gather_key(plan), lambda: _per_microbatch(plan, topology))
 
 
-def _per_microbatch(plan: Plan, topology: Topology) -> float:
-    """:func:`gather_seconds_per_microbatch`, not memoized."""
+def _gathered(plan: Plan, topology: Topology) -> bool:
+    """Whether the gathers are bounded here: parameters sharded two ways or more and gathered, no context
+    parallelism, no shared host."""
+    return (gathers_parameters(plan, "F") and state_sharding(plan).ways(plan, "params") >= 2
+            and plan.mesh.context == 1 and topology.calibration.host is None)
+
+
+def middle_gathers(plan: Plan, topology: Topology) -> dict[tuple[int, int, str], float]:
+    """``(stage, chunk, kind) -> seconds`` of each gathering action's gathers (as the analytic tier prices its
+    ``ActionPrice.gather``: its blocks' summed) of the chunks of the first, middle and last stages that hold neither
+    the embedding nor the head (their blocks the layers', one split), dense chunks only (no MoE chain); empty where
+    :func:`gather_floor` bounds nothing. Memoized per topology on :func:`gather_key`."""
+    return memoized(topology, "middle_gathers", gather_key(plan), lambda: _middle_gathers(plan, topology))
+
+
+def _middle_gathers(plan: Plan, topology: Topology) -> dict[tuple[int, int, str], float]:
+    """:func:`middle_gathers`, not memoized."""
+    if not _gathered(plan, topology) or plan.model.experts:
+        return {}
+    coll, axes, combine, param_b, matmul_b, lowering = _pricing(plan, topology)
+    p, v, priced, sizes, out = plan.mesh.stage, plan.schedule.virtual_stages, {}, {}, {}
+    kinds = [kind for kind in ("F", "B") if gathers_parameters(plan, kind)]
+    for s in sorted({0, p // 2, p - 1}):
+        for c in range(v):
+            cost = cached_chunk_cost(plan, s, c)
+            if cost.has_embedding or cost.has_head:
+                continue
+            if cost.layers not in sizes:  # a dense chunk's gathers follow its layer count (as _per_microbatch's)
+                sizes[cost.layers] = _chunk_sizes(plan, s, c, combine, param_b, cost, False, matmul_b, lowering)
+            for split in sizes[cost.layers]:
+                for kind, blocks in zip(kinds, split):
+                    out[(s, c, kind)] = _block_seconds(coll, axes, s, blocks, priced)
+    return out
+
+
+def _pricing(plan: Plan, topology: Topology) -> tuple:
+    """(the stage collectives of ``plan``'s placement, the parameters' axes, the combiner's bound, bytes per
+    parameter, per weight matrix's gathered element, the gathers' lowering), as both tiers read them."""
     sharding = state_sharding(plan)
-    if (not gathers_parameters(plan, "F") or sharding.ways(plan, "params") < 2
-            or plan.mesh.context > 1 or topology.calibration.host is not None):
-        return 0.0
     param_b = state_bytes_per_param(plan)[0]
     matmul_b = matmul_gather_bytes(plan, param_b) if narrows_gathers(topology) else 0.0
     lowering = gather_lowering(topology, plan, sharding.ways(plan, "params"))
     combine = combine_limit(topology.calibration.collectives.combine_bytes, plan.runtime.gather_combine_bytes)
     coll = StageCollectives(topology, place(plan, topology).device_ids)
-    axes, priced, sizes, p, v = sharding.params, {}, {}, plan.mesh.stage, plan.schedule.virtual_stages
+    return coll, sharding.params, combine, param_b, matmul_b, lowering
+
+
+def _per_microbatch(plan: Plan, topology: Topology) -> float:
+    """:func:`gather_seconds_per_microbatch`, not memoized."""
+    if not _gathered(plan, topology):
+        return 0.0
+    coll, axes, combine, param_b, matmul_b, lowering = _pricing(plan, topology)
+    priced, sizes, p, v = {}, {}, plan.mesh.stage, plan.schedule.virtual_stages
     spans = chunk_layers(plan.model, p, v, plan.stage_layers) if plan.model.experts else None
     worst = 0.0
     for s in sorted({0, p // 2, p - 1}):  # a few stages (the ends, which hold the embedding and head): a bound

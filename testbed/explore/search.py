@@ -35,6 +35,7 @@ from testbed.explore.analytic import Estimate, estimate, plan_memory
 from testbed.explore.eta import TimeLeft
 from testbed.explore.floor import cached_peaks, cached_played_floor, cached_step_floor, group_floor_key, placed_floor
 from testbed.explore.gather_floor import gather_floor
+from testbed.explore.slowed_floor import slowed_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
 from testbed.explore.choices import SearchSpace
 from testbed.explore.candidates import CandidateGroup, candidate_groups, candidates
@@ -291,7 +292,8 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     .played_floor`, a lower bound of the estimate that counts the pipeline's bubble, memoized across plans alike in
     it), and before its estimate its parameter gathers are summed as its stages play them one after another
     (:func:`testbed.explore.gather_floor.gather_floor`), then its step floor taken with its own tensor groups'
-    collectives (:func:`testbed.explore.floor.placed_floor`); it is skipped when any is above the bar (a plan so
+    collectives (:func:`testbed.explore.floor.placed_floor`) and with its gathers' comm slowdown
+    (:func:`testbed.explore.slowed_floor.slowed_floor`); it is skipped when any is above the bar (a plan so
     skipped that would not fit is counted as skipped, not over memory; :func:`_settle` checks its memory before it
     could be estimated): the bar only falls, so it would be above the final bar too, and the plans estimated at
     or below the final bar are the same.
@@ -366,7 +368,7 @@ def _best_first(tier: _Tier, bounded: list, before: int, topology: Topology, mem
                 tier.pruned += 1
                 continue
             if floor:
-                for bound in (gather_floor, placed_floor):
+                for bound in (gather_floor, placed_floor, slowed_floor):
                     tight = max(tight, bound(plan, topology)) if tight <= bar else tight
                 if tight > bar:
                     tier.bounded += 1
