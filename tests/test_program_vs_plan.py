@@ -24,7 +24,7 @@ At 2 microbatches (the runner's accumulation loop): data x tensor with or withou
 5% on both, and every axis's bytes exactly for data and fsdp x tensor (docs/program.md, "Gradient accumulation");
 fsdp in fp32 on both, with the microbatch loop XLA keeps one iteration at a time on both sides.
 Over every corner (benchmarks/results/program_vs_plan.json) the superpod holds all of this but one fsdp corner
-(5.1%); the TPU slice misses 41 of its 224 corners on step time and differs by a few KB in bytes per axis on most
+(5.1%); the TPU slice misses 22 of its 224 corners on step time and differs by a few KB in bytes per axis on most
 bf16 corners with tensor > 1. The drawn tests hold the ``ci`` profile's draws; docs/program.md ("Against
 plan-driven simulation") names the misses and their known causes.
 """
