@@ -284,6 +284,18 @@ def _directions(rule, plan: Plan, s: int, c: int, blocks: int, gathers: dict[str
                                   lowering) for kind, n in gathers.items()))
 
 
+def _bucket_facts(plan: Plan, s: int, c: int, blocks: int, rule: tuple, per_block: bool, chained: bool) -> dict:
+    """:class:`ChunkFacts`' ``bucket_*`` fields of a chunk whose gradients leave a bucket a block (``per_block``;
+    else none): each bucket's merged sizes, reads, early parts (``chained``), cuts and, where ``rule`` lowers rank-1
+    gradients to all-reduces, their ops (testbed.model.block_scatters, ``rule`` its combiner's arguments)."""
+    sizes = block_scatters(plan, s, c, blocks, *rule) if per_block else ()
+    return {"bucket_sizes": sizes,
+            "bucket_reads": scatter_reads(plan, s, c, blocks, *rule) if sizes else (),
+            "bucket_early": scatter_early(plan, s, c, blocks, *rule) if sizes and chained else (),
+            "bucket_cuts": scatter_cuts(plan, s, c, blocks, *rule) if sizes else (),
+            "bucket_ops": scatter_ops(plan, s, c, blocks, *rule) if sizes and rule[2] else ()}
+
+
 def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
                  reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False,
                  native: bool = False, allreduce_bytes: float | None = None, scatter_allreduce: bool = False,
@@ -328,16 +340,11 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     merge = combine_limit(allreduce_bytes, math.inf) if scatter_allreduce else combine  # the combiner that merges
     vectors = bool(lowering.lanes) and reduces and not scatter_allreduce  # XLA:TPU's rank-1 gradients' all-reduce
     rule = (merge, reduce_b, vectors, scatter_allreduce)  # XLA:TPU packs the all-reduces (xla_tpu: the combiner)
-    bucket_sizes = block_scatters(plan, s, c, blocks, *rule) if own and buckets == blocks else ()
-    bucket_reads = scatter_reads(plan, s, c, blocks, *rule) if bucket_sizes else ()
-    bucket_early = scatter_early(plan, s, c, blocks, *rule) if bucket_sizes and chained else ()
-    bucket_cuts = scatter_cuts(plan, s, c, blocks, *rule) if bucket_sizes else ()
-    bucket_ops = scatter_ops(plan, s, c, blocks, *rule) if bucket_sizes and vectors else ()
+    bucket_facts = _bucket_facts(plan, s, c, blocks, rule, own and buckets == blocks, chained)
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_ops=ops, block_holds=holds, block_work=block_work,
-                      bucket_sizes=bucket_sizes, bucket_reads=bucket_reads, bucket_early=bucket_early,
-                      bucket_cuts=bucket_cuts, bucket_ops=bucket_ops,
+                      **bucket_facts,
                       reduced=Reduced(reduced_bytes(plan, s, c, moved.grads, reduce_b, "grads", native),
                                       reduced_bytes(plan, s, c, moved.optimizer, reduce_b, "optimizer", native)
                                       - position_saved + (sequence_b if summed_each_microbatch(plan)
