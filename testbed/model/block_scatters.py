@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 
-from testbed.model import layout
+from testbed.model import layout, xla_tpu
 from testbed.model.blocks import SHARE_QUANTUM, _chunk_pieces, _merge_mesh
 from testbed.model.leaves import issue_order
 from testbed.plan.sharding import state_sharding
@@ -243,22 +243,7 @@ def _packed_groups(walk: list[tuple], sizes: list[float], kinds: dict[int, str],
     merge), rather than closing at the first; one over the bound alone is never merged. Each merge is issued once
     its last-computed member is (the one latest in ``walk``, the backward's order)."""
     order = sorted(range(len(walk)), key=lambda i: (_TREE_ROOTS[whats[walk[i][3]]], walk[i][3], walk[i][0].path))
-    groups: list[list] = []
-    rest = [i for i in order if sizes[i] <= bound]
-    for i in order:
-        if sizes[i] > bound:
-            groups.append(_group([i], walk, sizes, kinds))
-    while rest:
-        taken, left, total = [], [], 0.0
-        for i in rest:
-            if total + sizes[i] <= bound:
-                taken.append(i)
-                total += sizes[i]
-            else:
-                left.append(i)
-        groups.append(_group(taken, walk, sizes, kinds))
-        rest = left
-    return groups
+    return [_group(m, walk, sizes, kinds) for m in xla_tpu.packed_merges(order, sizes.__getitem__, bound)]
 
 
 def _group(members: list[int], walk: list[tuple], sizes: list[float], kinds: dict[int, str]) -> list:

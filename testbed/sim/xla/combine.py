@@ -50,6 +50,7 @@ import heapq
 import math
 from dataclasses import replace
 
+from testbed.model.xla_tpu import packed_merges
 from testbed.sim.xla.workload import OpKind, TracedOp, Workload
 
 __all__ = ["PASSES", "combine_collectives", "drop_trivial_collectives"]
@@ -139,18 +140,13 @@ def _packed_merges(ops: tuple[TracedOp, ...], key: tuple, bound: float) -> list[
     reachable from a member, and of the first member's loop iteration, passing over the others (left for the next
     merge); one over the bound alone is never merged."""
     merge = list(range(len(ops)))
-    rest = [i for i in post_order(ops) if ops[i].kind is OpKind.COLLECTIVE and ops[i].count == 1
-            and _key(ops[i]) == key and ops[i].nbytes <= bound]
-    while rest:
-        first, size, left, taken = rest[0], 0.0, [], set()
-        for i in rest:
-            if (size + ops[i].nbytes <= bound and ops[i].iteration == ops[first].iteration
-                    and not _reaches(ops, taken, i)):
-                merge[i], size = first, size + ops[i].nbytes
-                taken.add(i)
-            else:
-                left.append(i)
-        rest = left
+    order = [i for i in post_order(ops) if ops[i].kind is OpKind.COLLECTIVE and ops[i].count == 1
+             and _key(ops[i]) == key and ops[i].nbytes <= bound]
+    admits = (lambda taken, i: not taken or (ops[i].iteration == ops[taken[0]].iteration
+                                             and not _reaches(ops, set(taken), i)))
+    for members in packed_merges(order, lambda i: ops[i].nbytes, bound, admits):
+        for i in members:
+            merge[i] = members[0]
     return merge
 
 
