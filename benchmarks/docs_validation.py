@@ -44,6 +44,7 @@ HOST_RUNS = ROOT / "benchmarks" / "host_runs"
 CHIP = ROOT / "benchmarks" / "results" / "tpu_chip_fit.json"
 PROGRAMS = ROOT / "benchmarks" / "results" / "program_chip.json"
 PER_CHIP = ROOT / "benchmarks" / "results" / "v5e_per_chip.json"
+HELDOUT_CHIP = ROOT / "benchmarks" / "results" / "tpu_chip_heldout.json"
 
 HEADER = """\
 # Calibration and validation
@@ -384,10 +385,33 @@ def per_chip_section(data: dict) -> list[str]:
                             "predicted step s", "predicted compute s"), rows)
 
 
+_HELDOUT_TITLES = {"heldout": "Held-out one-chip plans", "moe": "One-chip mixtures of experts"}
+
+
+def heldout_chip_section(data: dict) -> list[str]:
+    """Plans the chip suite never saw, predicted before they ran (benchmarks/tpu_chip_heldout.py's JSON)."""
+    out = []
+    for name, s in data["sets"].items():
+        step, memory = s["step_time"], s["memory_vs_xla"]
+        out += [f"### {_HELDOUT_TITLES.get(name, name)}", "",
+                f"`benchmarks/tpu_chip/{name}/`: predicted on `tpu-v5e-1` at {s['predicted_at']} before they ran on the "
+                f"{s['device_kind']} chip ({s['date'][:10]}); today's step time median {_f(step['median_abs'])}, max "
+                f"{_f(step['max_abs'])} (predicted before: {_f(s['recorded_step_time']['median_abs'])} / "
+                f"{_f(s['recorded_step_time']['max_abs'])}); memory vs XLA:TPU's total median {_f(memory['median_abs'])}, "
+                f"max {_f(memory['max_abs'])}.", ""]
+        rows = [(plan, f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}", _signed(r["error"]),
+                 f"{r['mfu_measured'] * 100:.1f}%", f"{r['xla_total'] / 1e9:.2f}", f"{r['predicted_memory'] / 1e9:.2f}",
+                 _signed(r["memory_error"])) for plan, r in s["rows"].items()]
+        out += vt._table(("plan", "step ms", "predicted ms", "error", "runner MFU", "XLA:TPU GB", "predicted GB",
+                          "memory error"), rows) + [""]
+    return out[:-1]
+
+
 def page(published: dict, meta: dict, runs: list[tuple[str, dict]], chip: dict, programs: dict,
-         per_chip: dict) -> str:
+         per_chip: dict, heldout_chip: dict) -> str:
     """The whole of docs/validation.md."""
-    lines = ([HEADER.rstrip("\n"), ""] + chip_section(chip) + [""] + programs_section(programs) + [""]
+    lines = ([HEADER.rstrip("\n"), ""] + chip_section(chip) + [""] + heldout_chip_section(heldout_chip) + [""]
+             + programs_section(programs) + [""]
              + per_chip_section(per_chip) + [""]
              + host_section(runs) + [""]
              + published_section(published, meta))
@@ -396,7 +420,7 @@ def page(published: dict, meta: dict, runs: list[tuple[str, dict]], chip: dict, 
 
 
 def build(published_path: Path = PUBLISHED, host_root: Path = HOST_RUNS, chip_path: Path = CHIP,
-          programs_path: Path = PROGRAMS, per_chip_path: Path = PER_CHIP) -> str:
+          programs_path: Path = PROGRAMS, per_chip_path: Path = PER_CHIP, heldout_path: Path = HELDOUT_CHIP) -> str:
     """The page from the committed results (:class:`PageInputError` on bad input)."""
     try:
         published = vt.validate(_read_json(published_path), str(published_path))
@@ -405,7 +429,7 @@ def build(published_path: Path = PUBLISHED, host_root: Path = HOST_RUNS, chip_pa
     meta_path = published_path.with_name(published_path.stem + ".meta.json")
     meta = _read_json(meta_path) if meta_path.exists() else {}
     return page(published, meta, host_runs(host_root), _read_json(chip_path), _read_json(programs_path),
-                _read_json(per_chip_path))
+                _read_json(per_chip_path), _read_json(heldout_path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,86 @@
+"""Today's predictions against one-chip plans the chip suite never saw, measured on the v5e chip.
+
+benchmarks/tpu_chip/heldout/ (ten plans of shapes and settings the suite lacks) and benchmarks/tpu_chip/moe/ (six
+mixtures of experts): each folder's ``predicted.json`` was committed before its plans ran, ``runs.json`` holds the
+runner's times and XLA:TPU's memory on the chip (benchmarks/tpu_chip_heldout.py sets them side by side). The
+single-chip goals apply (step time median 8% / max 15% on the bundled tpu-v5e-1, memory median 3% / max 8% of
+XLA:TPU's total); goals not met today are strict xfails naming the plans, so a change that meets one fails its xfail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHIP = ROOT / "benchmarks" / "tpu_chip"
+STEP, MEMORY = (0.08, 0.15), (0.03, 0.08)
+
+
+@cache
+def _report() -> dict:
+    spec = importlib.util.spec_from_file_location("tpu_chip_heldout", ROOT / "benchmarks" / "tpu_chip_heldout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.report()["sets"]
+
+
+def _errors(name: str, key: str) -> dict[str, float]:
+    return {plan: row[key] for plan, row in _report()[name]["rows"].items()}
+
+
+def _meets(errors: dict[str, float], goal: tuple[float, float]) -> bool:
+    values = sorted(abs(e) for e in errors.values())
+    median = (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+    return median <= goal[0] and values[-1] <= goal[1]
+
+
+@pytest.mark.parametrize("name, count", [("heldout", 10), ("moe", 6)])
+def test_every_plan_ran_on_the_chip_after_its_prediction(name: str, count: int) -> None:
+    runs = json.loads((CHIP / name / "runs.json").read_text())
+    predicted = json.loads((CHIP / name / "predicted.json").read_text())
+    assert runs["device_kind"] == "TPU v5 lite" and runs["versions"]["libtpu"] and runs["command"]
+    assert predicted["predicted_on"] <= runs["date"][:10] and predicted["testbed_commit"]
+    assert len(runs["plans"]) == len(predicted["plans"]) == count and all(r["ok"] for r in runs["plans"])
+    assert sorted(p.stem for p in (CHIP / name).glob("*.yaml")) == sorted(predicted["plans"])
+
+
+def test_the_dense_held_out_plans_meet_the_step_time_goal() -> None:
+    """Every held-out plan but the mixture of experts (the MoE set's tests below)."""
+    dense = {p: e for p, e in _errors("heldout", "error").items() if "moe" not in p}
+    assert len(dense) == 9 and _meets(dense, STEP), dense
+
+
+@pytest.mark.xfail(strict=True, reason="ho-moe8x-top2 is predicted 35.8% fast: one chip's MoE step (its experts' "
+                                       "fused weight-gradient updates) runs slower than testbed prices it; the "
+                                       "other nine are within 10.8% (median 6.6%)")
+def test_the_held_out_plans_meet_the_step_time_goal() -> None:
+    assert _meets(_errors("heldout", "error"), STEP)
+
+
+@pytest.mark.xfail(strict=True, reason="against XLA:TPU's total ho-moe8x-top2 is +18.4% and "
+                                       "ho-llama500m-seq8192-full -10.3% (median 3.8%)")
+def test_the_held_out_plans_meet_the_memory_goal() -> None:
+    assert _meets(_errors("heldout", "memory_error"), MEMORY)
+
+
+@pytest.mark.xfail(strict=True, reason="one chip's MoE steps are predicted 14-41% fast (median 22%)")
+def test_the_moe_plans_meet_the_step_time_goal() -> None:
+    assert _meets(_errors("moe", "error"), STEP)
+
+
+@pytest.mark.xfail(strict=True, reason="one chip's MoE memory is predicted 5-28% above XLA:TPU's total (median 7.2%)")
+def test_the_moe_plans_meet_the_memory_goal() -> None:
+    assert _meets(_errors("moe", "memory_error"), MEMORY)
+
+
+def test_no_plan_that_ran_is_predicted_out_of_memory() -> None:
+    from testbed.topology.io import load_topology
+
+    capacity = load_topology("tpu-v5e-1").device.memory_bytes
+    rows = {p: r for name in ("heldout", "moe") for p, r in _report()[name]["rows"].items()}
+    assert all(r["predicted_memory"] <= capacity for r in rows.values()), rows
