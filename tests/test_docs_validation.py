@@ -18,6 +18,12 @@ def test_the_committed_page_is_what_the_committed_results_generate() -> None:
         "docs/validation.md is out of date: run `python benchmarks/docs_validation.py`")
 
 
+def test_the_held_out_chip_page_is_generated_from_the_committed_results() -> None:
+    data = docs_validation._read_json(docs_validation.HELDOUT_CHIP)
+    assert docs_validation.HELDOUT_DOC.read_text() == docs_validation.heldout_page(data), (
+        "docs/tpu_heldout.md is out of date: run `python benchmarks/docs_validation.py`")
+
+
 def test_the_page_fits_the_docs_budget_and_keeps_every_table() -> None:
     text = docs_validation.DOC.read_text()
     assert len(text.splitlines()) <= 800
