@@ -10,7 +10,8 @@ date, the command and the libtpu version:
   the union of the live values' ``[offset, offset + size)``: benchmarks/xla_tpu_heap.py's reading);
 - ``at_peak``: the heap's bytes live at the peak by kind (:func:`kind`), and its six largest values (bytes, offset,
   live range, kind, the HLO op and the JAX op name's tail);
-- ``top``: the value whose end offset is the heap's size, where the placement sets the heap;
+- ``top``: the value of 1 MiB or more that reaches highest in the heap, where the placement sets its size (within
+  5% of it: smaller values, a few bytes each of them, lie above);
 - ``vmem``: the on-chip memory space's preallocated temporaries (``color 1``, XLA:TPU's alternate memory: a
   TPU's VMEM), and every all-gather's output of 1 MiB or more by memory space (its count, smallest and largest,
   ``hbm`` and ``vmem``).
@@ -131,7 +132,7 @@ def read_dump(folder: Path) -> dict:
     held = {(o, z): n for o, z, n in sorted(at[peak]) if z}  # one slot held by several values counted once
     rows = sorted(((z, o, n, kind(n, ops, ranges[n], backward_from)) for (o, z), n in held.items()), reverse=True)
     by_kind = {k: sum(z for z, _, _, c in rows if c == k) for k in KINDS}
-    top = max(values, key=lambda v: (v[2] + v[1], v[1]))
+    top = max((v for v in values if v[1] >= 1 << 20), key=lambda v: (v[2] + v[1], v[1]))
     return {"heap": heap, "live": _union([(o, o + z) for o, z, _ in at[peak]]), "peak_instruction": sequence[peak],
             "peak_step": peak, "backward_from": backward_from, "steps": len(sequence), "at_peak": by_kind,
             "largest_at_peak": [_row(z, o, n, c, ranges, ops) for z, o, n, c in rows[:6]],

@@ -47,7 +47,8 @@ def test_a_heap_value_is_read_by_its_op_and_live_range(name: str, span: tuple[in
 
 def test_the_recorded_view_names_its_compiles():
     """Every recorded plan is a single-program multi-chip compile of benchmarks/xla_tpu/, read with the libtpu the
-    records name, and its peak's kinds sum to its live peak."""
+    records name; its peak's kinds sum to its live peak, and its highest value of 1 MiB or more ends within 5% of
+    the heap's size."""
     data = json.loads(DATA.read_text())
     provenance = data["provenance"]
     assert provenance["date"] and "xla_tpu_peak_buffers.py --collect" in provenance["command"]
@@ -57,7 +58,7 @@ def test_the_recorded_view_names_its_compiles():
         record = json.loads((ROOT / "benchmarks" / "xla_tpu" / f"{name}.json").read_text())
         assert record["target"] != "tpu:v5e:1x1" and len(record["report"]["programs"]) == 1, name
         assert sum(view["at_peak"].values()) == view["live"] <= view["heap"], name
-        assert view["top"]["offset"] + view["top"]["bytes"] == view["heap"], name
+        assert 0.95 * view["heap"] <= view["top"]["offset"] + view["top"]["bytes"] <= view["heap"], name
 
 
 def test_v5e_keeps_most_gathered_weights_in_vmem_and_v5p_none():
