@@ -11,6 +11,7 @@ import pytest
 from testbed.model import heap
 from testbed.model.memory import memory_breakdown
 from testbed.model.step_heap import StepTerms, fragmentation, step_buffers
+from testbed.model.step_heap import buffer_kinds as step_heap_kinds
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 from testbed.topology.io import load_topology
 
@@ -76,3 +77,16 @@ def test_fsdp_on_xla_tpu_leaves_gaps():
     """Gathered weights freed between a step's kept sets leave gaps the loss's and the layers' backward buffers do
     not fit (the recorded fsdp compiles' fragmentation, benchmarks/xla_tpu_heap.json)."""
     assert memory_breakdown(_plan({"fsdp": 16}), TPU).fragmentation > 0
+
+
+def test_each_buffer_has_one_kind_and_the_gathers_are_fsdps_alone():
+    """buffer_kinds labels exactly step_buffers' buffers; only a sharded step has gathered ones, and its gradients
+    are the sharded bytes the device holds."""
+    for mesh in ({"fsdp": 16}, {"data": 16}):
+        plan = _plan(mesh)
+        kinds = step_heap_kinds(plan, TERMS)
+        assert tuple(b for b, _ in kinds) == step_buffers(plan, TERMS)
+        assert {what for _, what in kinds} <= {"gathered", "kept", "workspace", "gradients"}
+        gathered = [b for b, what in kinds if what == "gathered"]
+        assert bool(gathered) == ("fsdp" in mesh)
+        assert {b.size for b, what in kinds if what == "gradients"} == {TERMS.layer_grads, TERMS.head_grads}

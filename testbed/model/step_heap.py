@@ -40,7 +40,7 @@ from testbed.model.ring import rank_spec
 from testbed.plan.sharding import gathered_blocks
 from testbed.plan.spec import Attention, Plan, Remat
 
-__all__ = ["StepTerms", "step_buffers", "fragmentation"]
+__all__ = ["StepTerms", "step_buffers", "buffer_kinds", "fragmentation"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,6 +127,13 @@ def _layer_buffers(plan: Plan, kept: int, work: int) -> tuple[list[int], list[in
 
 def step_buffers(plan: Plan, terms: StepTerms) -> tuple[heap.Buffer, ...]:
     """The one-microbatch step's temporaries on one device in schedule order (the module docstring's list)."""
+    return tuple(b for b, _ in buffer_kinds(plan, terms))
+
+
+def buffer_kinds(plan: Plan, terms: StepTerms) -> tuple[tuple[heap.Buffer, str], ...]:
+    """:func:`step_buffers` each with what it holds: ``gathered`` (a parameter's gathered copy), ``kept`` (a layer's
+    or the head's kept buffers), ``workspace`` (the loss's, a layer backward's) or ``gradients`` (the gradients and
+    the data reduction's buffer)."""
     layers = plan.stage_layers[0]
     ahead = plan.runtime.fsdp_prefetch
     head_at, loss_at = layers + 1, layers + 2
@@ -134,22 +141,22 @@ def step_buffers(plan: Plan, terms: StepTerms) -> tuple[heap.Buffer, ...]:
     forward, backward = (lambda i: 1 + i), (lambda i: loss_at + 2 + layers - 1 - i)
     embed_w, layer_w, head_w, head_back = _gathered(plan)
     kept, work = _layer_buffers(plan, terms.per_layer, terms.layer)
-    out = [heap.Buffer(0, 0, s) for s in embed_w]
-    out += [heap.Buffer(max(head_at - ahead, 0), head_at, s) for s in head_w]
-    out += [heap.Buffer(loss_at, loss_at + 1, s) for s in head_back]
-    out += [heap.Buffer(head_at, loss_at + 1, s) for s in terms.head]
-    out.append(heap.Buffer(loss_at, loss_at, terms.loss))
+    out = [(heap.Buffer(0, 0, s), "gathered") for s in embed_w]
+    out += [(heap.Buffer(max(head_at - ahead, 0), head_at, s), "gathered") for s in head_w]
+    out += [(heap.Buffer(loss_at, loss_at + 1, s), "gathered") for s in head_back]
+    out += [(heap.Buffer(head_at, loss_at + 1, s), "kept") for s in terms.head]
+    out.append((heap.Buffer(loss_at, loss_at, terms.loss), "workspace"))
     grads_from = (lambda at: update) if terms.late_grads else (lambda at: at)
-    out.append(heap.Buffer(grads_from(loss_at + 1), update, terms.head_grads))
+    out.append((heap.Buffer(grads_from(loss_at + 1), update, terms.head_grads), "gradients"))
     for i in range(layers):
-        out += [heap.Buffer(max(forward(i) - ahead, 0), forward(i), s) for s in layer_w[i]]
-        out += [heap.Buffer(max(backward(i) - ahead, loss_at + 1), backward(i), s) for s in layer_w[i]]
+        out += [(heap.Buffer(max(forward(i) - ahead, 0), forward(i), s), "gathered") for s in layer_w[i]]
+        out += [(heap.Buffer(max(backward(i) - ahead, loss_at + 1), backward(i), s), "gathered") for s in layer_w[i]]
         # The first kept buffer, the block's input (the residual stream), is the block before's output.
-        out += [heap.Buffer(forward(i) - (k == 0), backward(i), s) for k, s in enumerate(kept)]
-        out += [heap.Buffer(backward(i), backward(i), s) for s in work]
-        out.append(heap.Buffer(grads_from(backward(i)), update, terms.layer_grads))
-    out.append(heap.Buffer(update, update, terms.reduction))
-    return tuple(b for b in out if b.size)
+        out += [(heap.Buffer(forward(i) - (k == 0), backward(i), s), "kept") for k, s in enumerate(kept)]
+        out += [(heap.Buffer(backward(i), backward(i), s), "workspace") for s in work]
+        out.append((heap.Buffer(grads_from(backward(i)), update, terms.layer_grads), "gradients"))
+    out.append((heap.Buffer(update, update, terms.reduction), "gradients"))
+    return tuple((b, what) for b, what in out if b.size)
 
 
 @functools.lru_cache(maxsize=1024)  # pure; a search asks it of a plan's stage bound, then of its breakdown
