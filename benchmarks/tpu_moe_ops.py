@@ -19,11 +19,14 @@ passes over its slot buffers (testbed.model.moe.layer_traffic_swap at the calibr
 and twice in the backward).
 
 Fitted: the rate of a routed expert's weight gradient fused with its update (``grouped`` kernel
-testbed.model.gemm.FUSED_UPDATE_KERNEL, testbed.sim.price.grouped_kernels.RATES) over the dense matmul rate: least
-squares of the relative error of every profiled plan's expert weight-gradient kernels (the median kernel per shape),
-on a grid of 0.01; leave-one-plan-out refits likewise. It prints ONE JSON object: the kinds per plan, the fit with
-in-sample and leave-one-plan-out errors per kernel, the MoE plans' step and memory errors today, and whether the
-shipped rate is the fit's (exit 1 if not).
+testbed.model.gemm.FUSED_UPDATE_KERNEL, testbed.sim.price.grouped_kernels.RATES) over the dense matmul rate, the
+kernel priced as its matmul at that rate and then the update's whole pass (testbed.sim.step.update_facts.fused_update:
+none of a routed expert's update hides): least squares of the relative error of every profiled plan's expert
+weight-gradient kernels (the median kernel per shape), on a grid of 0.01; leave-one-plan-out refits likewise. Beside
+it the same fit with the dense matrices' rule (testbed.sim.step.update_facts.FUSED_UPDATE_HIDDEN of the pass hides),
+which fits the MoE kernels worse. It prints ONE JSON object: the kinds per plan, both fits with in-sample and
+leave-one-plan-out errors per kernel, the MoE plans' step and memory errors today, and whether the shipped rate is the
+fit's (exit 1 if not).
 
     python benchmarks/tpu_moe_ops.py
 """
@@ -94,7 +97,10 @@ def priced_kinds(plan, topology) -> dict:
     """testbed's priced seconds per kind of one step of ``plan`` (one microbatch, one chip)."""
     from testbed.model import moe
     from testbed.model.gemm import chunk_gemms
+    from testbed.model.costs import device_stage_params
+    from testbed.model.memory import state_bytes_per_param
     from testbed.sim.price.compute import gemm_seconds, pass_seconds, plan_matmul_dtype
+    from testbed.sim.step.update_facts import update_bytes
 
     dtype, gemms = plan_matmul_dtype(plan, topology), chunk_gemms(plan, 0)
     rows, out = moe.expert_tokens(plan), {}
@@ -110,6 +116,9 @@ def priced_kinds(plan, topology) -> dict:
             add(kind, gemm_seconds(topology, dtype, g))
             if kind == "expert_weight_grad":
                 add("expert_weight_grad_at_dense_rate", gemm_seconds(topology, dtype, replace(g, grouped=None)))
+    param_b, grad_b, _ = state_bytes_per_param(plan)
+    experts = device_stage_params(plan, 0, 1, experts_only=True) * update_bytes(plan, param_b, grad_b)
+    add("expert_weight_grad_update", out.get("expert_weight_grad", 0.0) + pass_seconds(topology, experts))
     passes = topology.calibration.elementwise
     slots = moe.moe_layers(plan.model) * moe.layer_traffic_swap(plan, plan.mesh.tensor)[0]
     add("moe_slot_passes", 3 * pass_seconds(topology, passes.replicated_passes * slots) if passes else 0.0)
@@ -129,11 +138,13 @@ class Kernel:
     update_bytes: float
     hidden_bytes: float
 
-    def priced(self, topology, rate: float) -> float:
+    def priced(self, topology, rate: float, hides: bool = False) -> float:
+        """The kernel at ``rate``: its matmul, then the update's whole pass (testbed's rule for the routed experts,
+        testbed.sim.step.update_facts.fused_update), or with ``hides`` less what the dense matrices' rule hides."""
         from testbed.sim.price.compute import epilogue_seconds, pass_seconds
 
-        return self.matmul_s / rate + pass_seconds(topology, self.update_bytes) - epilogue_seconds(
-            topology, "bf16", self.matmul_flops, self.hidden_bytes)
+        hidden = epilogue_seconds(topology, "bf16", self.matmul_flops, self.hidden_bytes) if hides else 0.0
+        return self.matmul_s / rate + pass_seconds(topology, self.update_bytes) - hidden
 
 
 def kernels(topology) -> list[Kernel]:
@@ -165,8 +176,22 @@ def kernels(topology) -> list[Kernel]:
     return out
 
 
-def fit(rows: list[Kernel], topology) -> float:
-    return min(GRID, key=lambda r: sum((k.priced(topology, r) / k.measured_s - 1) ** 2 for k in rows))
+def fit(rows: list[Kernel], topology, hides: bool = False) -> float:
+    """The grid's rate of least squared relative error over ``rows``."""
+    return min(GRID, key=lambda r: sum((k.priced(topology, r, hides) / k.measured_s - 1) ** 2 for k in rows))
+
+
+def fitted(rows: list[Kernel], topology, hides: bool = False) -> dict:
+    """The rate fitted over ``rows``, its leave-one-plan-out refits, and both one's errors per kernel."""
+    rate = fit(rows, topology, hides)
+    held = {p: fit([k for k in rows if k.plan != p], topology, hides) for p in sorted({k.plan for k in rows})}
+    label = lambda k: f"{k.plan} {list(k.shape)}"  # noqa: E731
+    errors = {"fit": {label(k): round(k.priced(topology, rate, hides) / k.measured_s - 1, 4) for k in rows},
+              "leave_one_plan_out": {label(k): round(k.priced(topology, held[k.plan], hides) / k.measured_s - 1, 4)
+                                     for k in rows},
+              "dense_rate": {label(k): round(k.priced(topology, 1.0, hides) / k.measured_s - 1, 4) for k in rows}}
+    return {"rate": rate, "leave_one_plan_out_rate": held,
+            "summary": {n: _summary(e) for n, e in errors.items()}, "errors": errors}
 
 
 def _summary(errors: dict[str, float]) -> dict:
@@ -187,6 +212,27 @@ def step_errors(topology) -> dict:
     return {"step": steps, "step_summary": _summary(steps), "memory": memory, "memory_summary": _summary(memory)}
 
 
+def step_leave_one_out(held: dict[str, float]) -> dict[str, float]:
+    """Each profiled plan's step error with the rate refitted without its kernels (``held``: plan -> rate)."""
+    from testbed.model.gemm import FUSED_UPDATE_KERNEL
+    from testbed.plan.io import load_plan
+    from testbed.sim.graph.engine import simulate
+    from testbed.sim.price import grouped_kernels
+    from testbed.topology.io import load_topology
+
+    out, rows = {}, {name: (path, row) for name, path, row, _ in _plans()}
+    for name, rate in held.items():
+        topology = load_topology("tpu-v5e-1")  # a fresh one: the GEMM times are memoized per topology
+        key = (FUSED_UPDATE_KERNEL, topology.device.name)
+        shipped, grouped_kernels.RATES[key] = grouped_kernels.RATES.get(key), rate
+        try:
+            path, row = rows[name]
+            out[name] = round(simulate(load_plan(str(path)), topology).report.step_time_s / row["median_s"] - 1, 4)
+        finally:
+            grouped_kernels.RATES[key] = shipped
+    return out
+
+
 def report() -> dict:
     from testbed.plan.io import load_plan
     from testbed.sim.price.grouped_kernels import RATES
@@ -195,24 +241,18 @@ def report() -> dict:
 
     topology = load_topology("tpu-v5e-1")
     rows = kernels(topology)
-    rate = fit(rows, topology)
-    plans = sorted({k.plan for k in rows})
-    held = {p: fit([k for k in rows if k.plan != p], topology) for p in plans}
-    label = lambda k: f"{k.plan} {list(k.shape)}"  # noqa: E731
-    table = {"fit": {label(k): round(k.priced(topology, rate) / k.measured_s - 1, 4) for k in rows},
-             "leave_one_plan_out": {label(k): round(k.priced(topology, held[k.plan]) / k.measured_s - 1, 4)
-                                    for k in rows},
-             "dense_rate": {label(k): round(k.priced(topology, 1.0) / k.measured_s - 1, 4) for k in rows}}
+    whole, hides = fitted(rows, topology), fitted(rows, topology, hides=True)
     kinds = {name: {"profile": profile_kinds(profile, load_plan(str(path)).model.experts),
                     "priced": priced_kinds(load_plan(str(path)), topology)}
              for name, path, _, profile in _plans() if profile is not None}
     shipped = RATES.get((FUSED_UPDATE_KERNEL, topology.device.name))
     return {"source": "benchmarks/tpu_chip/moe/ and heldout/ (runs.json, profiles.json)", "kinds": kinds,
-            "expert_update_kernels": {"kernels": len(rows), "plans": plans, "rate": rate,
-                                      "leave_one_plan_out_rate": held, "shipped": shipped,
-                                      "matches_shipped": shipped is not None and abs(rate - shipped) < 1e-9,
-                                      "summary": {n: _summary(e) for n, e in table.items()}, "errors": table},
-            "today": step_errors(topology)}
+            "expert_update_kernels": {"kernels": len(rows), "plans": sorted({k.plan for k in rows}),
+                                      "shipped": shipped,
+                                      "matches_shipped": shipped is not None and abs(whole["rate"] - shipped) < 1e-9,
+                                      "whole_update_pass": whole, "dense_rule_hides": hides},
+            "today": step_errors(topology) | {"step_leave_one_plan_out": step_leave_one_out(
+                whole["leave_one_plan_out_rate"])}}
 
 
 def main() -> int:

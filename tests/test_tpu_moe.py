@@ -64,10 +64,6 @@ def test_every_moe_plan_ran_on_the_chip_and_was_predicted_first() -> None:
     assert len(HELD) == 1 and HELD[0]["ok"] and len(ROWS) == 7
 
 
-@pytest.mark.xfail(strict=True, reason="median 9.9% over the goal's 8%: moe-e16-top2-d768 -10.6%, moe-e4-top1-d1024 "
-                                       "+9.1%, moe-e4-top2-cf2-d2048 -9.9%, moe-e8-top2-seq1024 -11.2%, ho-moe8x-top2 "
-                                       "-12.5%: the experts' weight-gradient kernels fused with their update, one rate "
-                                       "over the profiled plans (benchmarks/tpu_moe_ops.py: leave-one-plan-out 31%)")
 def test_the_step_time_median_meets_the_chip_goal() -> None:
     assert statistics.median(abs(e) for e in STEPS.values()) <= STEP[0], STEPS
 
@@ -76,14 +72,34 @@ def test_the_step_time_max_meets_the_chip_goal() -> None:
     assert _worst(STEPS, STEP[1]) == [], STEPS
 
 
-@pytest.mark.xfail(strict=True, reason="median 4.7% over the goal's 3%: moe-e16-top2-d768 +6.3%, moe-e4-top1-d1024 "
-                                       "+6.0%, ho-moe8x-top2 +5.8%, moe-e8-top2-seq1024 -4.7% against XLA:TPU's total")
 def test_the_memory_median_meets_the_chip_goal() -> None:
     assert statistics.median(abs(e) for e in MEMORIES.values()) <= MEMORY[0], MEMORIES
 
 
 def test_the_memory_max_meets_the_chip_goal() -> None:
     assert _worst(MEMORIES, MEMORY[1]) == [], MEMORIES
+
+
+def test_the_memory_meets_the_chip_goal_against_xlas_peak() -> None:
+    """Against XLA:TPU's peak (the arguments plus the most temporaries live at once, what testbed's instants price)."""
+    peaks = _errors(_memory, lambda row: row["memory"]["peak"])
+    assert statistics.median(abs(e) for e in peaks.values()) <= MEMORY[0], peaks
+    assert _worst(peaks, MEMORY[1]) == [], peaks
+
+
+def test_both_tiers_price_the_moe_steps_alike() -> None:
+    """The analytic tier (testbed.explore.analytic) reads the same rules as the task graph: the experts' fused
+    weight-gradient rate, their updates, the slot buffers' passes."""
+    from testbed.explore.analytic import estimate
+    from testbed.plan.io import load_plan
+    from testbed.sim.graph.engine import simulate
+    from testbed.topology.io import load_topology
+
+    topology = load_topology("tpu-v5e-1")
+    for name, (path, _) in ROWS.items():
+        plan = load_plan(str(path))
+        assert estimate(plan, topology).step_time_s == pytest.approx(
+            simulate(plan, topology).report.step_time_s, rel=0.03), name
 
 
 def test_the_expert_update_rate_is_the_profiles_fit() -> None:
@@ -98,7 +114,7 @@ def test_the_expert_update_rate_is_the_profiles_fit() -> None:
 
     topology = load_topology("tpu-v5e-1")
     rows = module.kernels(topology)
-    assert len(rows) == 8 and len({k.plan for k in rows}) == 4
+    assert len(rows) == 14 and len({k.plan for k in rows}) == 7  # two kernel shapes per plan
     from testbed.model.gemm import FUSED_UPDATE_KERNEL
     from testbed.sim.price.grouped_kernels import grouped_rate
 

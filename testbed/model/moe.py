@@ -185,23 +185,26 @@ def model_flops_swap(spec: ModelSpec, tokens: int) -> float:
     return moe_layers(spec) * (_moe_forward(spec, tokens, tokens * spec.top_k, 1) - _dense_mlp(spec, tokens, 1))
 
 
-def activation_bytes_swap(plan: Plan, tensor: int, hidden: int | None = None) -> int:
+def activation_bytes_swap(plan: Plan, tensor: int, xla_tpu: bool = False) -> int:
     """Bytes an MoE layer keeps for its backward over a dense one, per microbatch on one rank (may be negative).
 
     Kept: the router's fp32 logits and probabilities (``2 N E``), the dispatched tokens and the experts'
     outputs (``rows d`` each), the routed and shared experts' hidden values (``m rows fe / t`` and
     ``m N S fe / t``, ``m`` the MLP's matrices: SwiGLU keeps gate, up and their product, GELU its input and
-    output); less the dense MLP's hidden (``m N d_ff / t``). ``hidden``: the hidden values kept per MLP in place of
-    ``m`` (XLA:TPU's ``m - 1``: the activation function's output is recomputed in the backward's fusions, the
-    experts' as the dense MLP's, testbed.model.xla_tpu.layer_kept_bytes; the chip's MoE profiles,
-    benchmarks/tpu_chip/moe/profiles.json, show the experts' down projection reading gate and up, their product
-    made inside its kernel).
+    output); less the dense MLP's hidden (``m N d_ff / t``). Under XLA:TPU's buffer rules (``xla_tpu``,
+    testbed.model.xla_tpu) ``m - 1`` hidden values per MLP (the activation function's output is recomputed in the
+    backward's fusions, the experts' as the dense MLP's, testbed.model.xla_tpu.layer_kept_bytes: the chip's MoE
+    profiles, benchmarks/tpu_chip/moe/profiles.json, show the experts' down projection reading gate and up, their
+    product made inside its kernel), and of the experts' outputs only the combine's gathered ones, ``N top_k d``
+    (the gate's gradient reads them; nothing in the backward reads the slot buffer of outputs, whose gradient is a
+    scatter into zeros: the profiles' ``gather_fusion`` of ``N top_k`` rows and ``scatter_fusion`` of ``rows``).
     """
     spec, c = plan.model, Precision(plan.precision).compute_bytes
     n, fe, rows = local_tokens(plan), spec.expert_width, routed_rows(plan)
-    m = spec.mlp_matrices if hidden is None else hidden
+    m = spec.mlp_matrices - 1 if xla_tpu else spec.mlp_matrices
+    outputs = n * spec.top_k if xla_tpu else rows
     et = tensor if plan.mesh.expert_tensor is None else plan.mesh.expert_tensor
-    kept = 2 * rows * spec.d_model + m * rows * fe // et + m * n * spec.shared_experts * fe // tensor
+    kept = (rows + outputs) * spec.d_model + m * rows * fe // et + m * n * spec.shared_experts * fe // tensor
     return ROUTER_BYTES * 2 * n * spec.experts + c * kept - c * m * n * spec.d_ff // tensor
 
 

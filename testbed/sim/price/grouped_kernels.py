@@ -26,11 +26,13 @@ __all__ = ["RATES", "SOURCES", "grouped_rate"]
 _MEGABLOX_V5P = 50.4 / 63.99
 
 #: XLA:TPU on TPU v5e: a routed expert's weight gradient (batched over the experts, contracting over their slots) in
-#: one kernel with its AdamW update (testbed.model.gemm.FUSED_UPDATE_KERNEL), fitted by benchmarks/tpu_moe_ops.py over
-#: the expert weight-gradient kernels of the chip's four profiled MoE plans (benchmarks/tpu_chip/moe/profiles.json and
-#: heldout/profiles.json, 8 kernel shapes): least squares of the relative error, in-sample median 21.9% (max 42.6%),
-#: leave-one-plan-out median 31.4% (max 82.8%; the refits 0.52-0.78); at the dense rate 30.2% (max 52.0%).
-_EXPERT_UPDATE_V5E = 0.70
+#: one kernel with its AdamW update (testbed.model.gemm.FUSED_UPDATE_KERNEL; the update's pass follows it whole,
+#: testbed.sim.step.update_facts.fused_update), fitted by benchmarks/tpu_moe_ops.py over the expert weight-gradient
+#: kernels of the chip's seven profiled MoE plans (benchmarks/tpu_chip/moe/profiles.json, heldout/profiles.json; 14
+#: kernel shapes): least squares of the relative error, in-sample median 17.8% (max 53.0%), leave-one-plan-out median
+#: 19.7% (max 82.8%: moe-e4-top1-d1024's kernels run near the dense rate; the refits 0.57-0.77); at the dense rate
+#: 30.7% (max 45.9%).
+_EXPERT_UPDATE_V5E = 0.72
 
 #: ``{(kernel, device name): rate}``: the kernel's GEMM rate over the device's dense matmul rate.
 RATES: dict[tuple[str, str], float] = {("megablox", "TPU-v5p"): round(_MEGABLOX_V5P, 4),
@@ -45,7 +47,7 @@ SOURCES = {("megablox", "TPU-v5p"): (
     "1x v5p-1024), 64.80% (1024B, v5p-4096), 55.35% (1024B, v5p-2048); median 63.99%"),
     ("xla-expert-update", "TPU-v5e"): (
     "benchmarks/tpu_moe_ops.py: fitted over the expert weight-gradient kernels fused with the update in the v5e chip's "
-    "per-op profiles of four one-chip MoE plans (benchmarks/tpu_chip/moe/profiles.json, heldout/profiles.json)")}
+    "per-op profiles of seven one-chip MoE plans (benchmarks/tpu_chip/moe/profiles.json, heldout/profiles.json)")}
 
 
 def grouped_rate(device_name: str, kernel: str | None) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from testbed.model import costs, layout, moe, xla_tpu
+from testbed.model import costs, layout, xla_tpu
 from testbed.model.param_spec import Part
 from testbed.model.leaves import moved_elements, parameter_collectives
 from testbed.model.memory import state_bytes_per_param
@@ -20,7 +20,7 @@ from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.step.grad_bytes import sequence_apart, sequence_replicated, summed_each_microbatch
 
 __all__ = ["OPTIMIZER_FLOPS_PER_PARAM", "StageUpdate", "Reduction", "stage_update", "fused_update", "update_seconds",
-           "FUSED_UPDATE_HIDDEN", "hidden_update_bytes", "fused_update_matmuls",
+           "FUSED_UPDATE_HIDDEN", "hidden_update_bytes",
            "update_bytes", "parameter_reductions"]
 
 #: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
@@ -82,9 +82,10 @@ def stage_update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, comb
         regathers = max(1, parameter_collectives(plan, s, None, combine, param_b, which="optimizer"))
         regather_bytes = moved_elements(plan, s, None, "optimizer") / plan.mesh.fsdp * param_b / regathers
     per_param = update_bytes(plan, param_b, grad_b)
-    matrices, flops = fused_update_matmuls(plan, s) if fused_updates else (0, 0.0)
+    matrices = fused_update(plan, s, routed=False) if fused_updates else 0  # routed experts' updates add whole
     return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard, hbm_bytes=shard * per_param,
-                       regathers=regathers, regather_bytes=regather_bytes, fused_flops=flops,
+                       regathers=regathers, regather_bytes=regather_bytes,
+                       fused_flops=2.0 * plan.batch.global_batch * plan.model.seq_len * matrices,
                        fused_bytes=matrices * hidden_update_bytes(per_param, grad_b))
 
 
@@ -102,35 +103,21 @@ def hidden_update_bytes(per_param: float, grad_b: float) -> float:
     return grad_b + FUSED_UPDATE_HIDDEN * (per_param - grad_b)
 
 
-def fused_update(plan: Plan, s: int) -> int:
+def fused_update(plan: Plan, s: int, routed: bool = True) -> int:
     """Weight-matrix elements of stage ``s`` on one device whose optimizer update XLA:TPU runs in the epilogue
     of their weight-gradient matmul (0: none). Seen in the chip's per-op profiles (benchmarks/tpu_chip/
     profiles.json): with one microbatch and no gradient sum over devices, each matrix's update is one output
     fusion with its gradient's convolution, which takes the two one after the other (:func:`update_seconds`); the
     token table (its gradient a scatter), the norms and an accumulated (the loop's sum) or reduced gradient are
-    updated apart."""
+    updated apart. ``routed`` False leaves the routed experts' stacked matrices out: their kernels (batched over the
+    experts) fuse the update too, but take its whole pass after their matmul (none of it hides: benchmarks/
+    tpu_moe_ops.py, against :data:`FUSED_UPDATE_HIDDEN` of it, over the chip's MoE profiles), so only the others'
+    updates hide under their matmuls (:func:`stage_update`)."""
     if not xla_tpu.updates_in_epilogue(plan):
         return 0
     held = layout.chunk_params(plan.model, s, 0, 1)
     return sum(copies * p.device_elements(plan.mesh.tensor) for p, copies in held
-               if p.part is not Part.EMBEDDING and len(p.shape) >= 2)
-
-
-def fused_update_matmuls(plan: Plan, s: int) -> tuple[int, float]:
-    """(elements, FLOPs) of stage ``s``'s weight-gradient matmuls whose epilogue runs the update
-    (:func:`fused_update`'s matrices): each matrix's gradient contracts over the step's tokens, a routed expert's over
-    its slots (testbed.model.moe.expert_tokens: the capacity's or the padded dropless buffer's rows)."""
-    if not xla_tpu.updates_in_epilogue(plan):
-        return 0, 0.0
-    tokens, slots = plan.batch.global_batch * plan.model.seq_len, moe.expert_tokens(plan)
-    elements, flops = 0, 0.0
-    for p, copies in layout.chunk_params(plan.model, s, 0, 1):
-        if p.part is Part.EMBEDDING or len(p.shape) < 2:
-            continue
-        n = copies * p.device_elements(plan.mesh.tensor)
-        elements += n
-        flops += 2.0 * (slots if p.is_expert else tokens) * n
-    return elements, flops
+               if p.part is not Part.EMBEDDING and len(p.shape) >= 2 and (routed or not p.is_expert))
 
 
 def update_seconds(topology, dtype: str, update: StageUpdate) -> float:
