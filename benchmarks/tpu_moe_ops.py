@@ -212,6 +212,25 @@ def step_errors(topology) -> dict:
     return {"step": steps, "step_summary": _summary(steps), "memory": memory, "memory_summary": _summary(memory)}
 
 
+#: The priced kinds set beside the profile's: (name, the profile's kinds, testbed's kinds).
+MATCHED = (("expert_forward_input_grad", ("expert_forward_input_grad",), ("expert_forward_input_grad",)),
+           ("expert_weight_grad_update", ("expert_weight_grad_update",), ("expert_weight_grad_update",)),
+           ("dispatch_combine_copies", ("dispatch_combine", "layout_copies"), ("moe_slot_passes",)),
+           ("attention", ("attention",), ("attention",)),
+           ("dense_matmuls_and_updates", ("dense_matmul", "dense_weight_grad_update"), ("dense_matmul",)))
+
+
+def compared(profile: dict, priced: dict) -> dict:
+    """Per matched kind: the profile's seconds (its longest ops), testbed's, and priced / profiled - 1."""
+    out = {}
+    for name, ours, theirs in MATCHED:
+        measured = sum(profile["top_ops_s"].get(k, 0.0) for k in ours)
+        mine = sum(priced.get(k, 0.0) for k in theirs)
+        out[name] = {"profile_s": round(measured, 5), "priced_s": round(mine, 5),
+                     "error": round(mine / measured - 1, 4) if measured else None}
+    return out
+
+
 def step_leave_one_out(held: dict[str, float]) -> dict[str, float]:
     """Each profiled plan's step error with the rate refitted without its kernels (``held``: plan -> rate)."""
     from testbed.model.gemm import FUSED_UPDATE_KERNEL
@@ -242,9 +261,12 @@ def report() -> dict:
     topology = load_topology("tpu-v5e-1")
     rows = kernels(topology)
     whole, hides = fitted(rows, topology), fitted(rows, topology, hides=True)
-    kinds = {name: {"profile": profile_kinds(profile, load_plan(str(path)).model.experts),
-                    "priced": priced_kinds(load_plan(str(path)), topology)}
-             for name, path, _, profile in _plans() if profile is not None}
+    kinds = {}
+    for name, path, _, profile in _plans():
+        if profile is not None:
+            plan = load_plan(str(path))
+            ops, priced = profile_kinds(profile, plan.model.experts), priced_kinds(plan, topology)
+            kinds[name] = {"compared": compared(ops, priced), "profile": ops, "priced": priced}
     shipped = RATES.get((FUSED_UPDATE_KERNEL, topology.device.name))
     return {"source": "benchmarks/tpu_chip/moe/ and heldout/ (runs.json, profiles.json)", "kinds": kinds,
             "expert_update_kernels": {"kernels": len(rows), "plans": sorted({k.plan for k in rows}),
