@@ -199,27 +199,31 @@ def activation_bytes_swap(plan: Plan, tensor: int, xla_tpu: bool = False) -> int
     (the gate's gradient reads them; nothing in the backward reads the slot buffer of outputs, whose gradient is a
     scatter into zeros: the profiles' ``gather_fusion`` of ``N top_k`` rows and ``scatter_fusion`` of ``rows``).
     """
-    spec, c = plan.model, Precision(plan.precision).compute_bytes
-    n, fe, rows = local_tokens(plan), spec.expert_width, routed_rows(plan)
-    m = spec.mlp_matrices - 1 if xla_tpu else spec.mlp_matrices
-    outputs = n * spec.top_k if xla_tpu else rows
-    et = tensor if plan.mesh.expert_tensor is None else plan.mesh.expert_tensor
-    kept = (rows + outputs) * spec.d_model + m * rows * fe // et + m * n * spec.shared_experts * fe // tensor
-    return ROUTER_BYTES * 2 * n * spec.experts + c * kept - c * m * n * spec.d_ff // tensor
+    spec = plan.model
+    if not xla_tpu:
+        return sum(_kept_swap(plan, tensor, spec.mlp_matrices, routed_rows(plan)))
+    return sum(_kept_swap(plan, tensor, spec.mlp_matrices - 1, local_tokens(plan) * spec.top_k))
 
 
 def layer_traffic_swap(plan: Plan, tensor: int) -> tuple[int, int]:
     """(replicated, split) bytes of activations an MoE layer's forward writes over a dense layer's, per microbatch on
-    one rank (testbed.model.activations.layer_traffic_bytes' two kinds; may be negative): the kept activations of
-    :func:`activation_bytes_swap`, divided by where they live. Replicated, ``d_model`` wide on every tensor rank as the
-    residual stream: the router's fp32 logits and probabilities and the slot buffers (the dispatched tokens and the
-    experts' outputs, ``rows d`` each, the padded slots included: the runner's gather, copies and scatter-add move
-    them whole, benchmarks/tpu_moe_ops.py); split: the routed and shared experts' hidden values less the dense MLP's."""
+    one rank (testbed.model.activations.layer_traffic_bytes' two kinds, which count every kept value as XLA:CPU
+    keeps it; may be negative): :func:`activation_bytes_swap`'s, divided by where they live. Replicated, ``d_model``
+    wide on every tensor rank as the residual stream: the router's fp32 logits and probabilities and the slot buffers
+    (the dispatched tokens and the experts' outputs, ``rows d`` each, the padded slots included: the runner's gather,
+    copies and scatter-add move them whole, benchmarks/tpu_moe_ops.py); split: the routed and shared experts' hidden
+    values less the dense MLP's."""
+    return _kept_swap(plan, tensor, plan.model.mlp_matrices, routed_rows(plan))
+
+
+def _kept_swap(plan: Plan, tensor: int, hidden: int, outputs: int) -> tuple[int, int]:
+    """(replicated, split) bytes of :func:`activation_bytes_swap` with ``hidden`` values kept per MLP and ``outputs``
+    rows of the experts' outputs."""
     spec, c = plan.model, Precision(plan.precision).compute_bytes
-    n, fe, m, rows = local_tokens(plan), spec.expert_width, spec.mlp_matrices, routed_rows(plan)
+    n, fe, rows, m = local_tokens(plan), spec.expert_width, routed_rows(plan), hidden
     et = tensor if plan.mesh.expert_tensor is None else plan.mesh.expert_tensor
-    replicated = ROUTER_BYTES * 2 * n * spec.experts + c * 2 * rows * spec.d_model
-    split = c * (m * rows * fe // et + m * n * spec.shared_experts * fe // tensor - m * n * spec.d_ff // tensor)
+    replicated = ROUTER_BYTES * 2 * n * spec.experts + c * (rows + outputs) * spec.d_model
+    split = c * (m * rows * fe // et + m * n * spec.shared_experts * fe // tensor) - c * m * n * spec.d_ff // tensor
     return replicated, split
 
 
