@@ -148,7 +148,6 @@ OVER_PEAK = [f"{r['plan']} {r['error_vs_peak']:+.1%}" for r in PEAK if abs(r["er
 PEAK_APART = {
     "gpt2k-fsdp16-full": "at the loss XLA:TPU holds the head's gathered table twice (the forward's and the "
                          "backward's gather in flight), testbed once",
-    "moe1k-expert4": "the MoE layers' dispatch buffers",
 }
 
 

@@ -303,7 +303,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     if sp and spec.seq_len % t:  # uneven sequence shards (runtime.pad_sequence_shards): the collectives move the padded
         n_bytes = b * -(-spec.seq_len // t) * t * spec.d_model * c  # sequence, t shards of ceil(seq / t) tokens
     forward_bytes = params * c + kept + n_bytes
-    forward_traffic, recompute_traffic = _chunk_traffic(plan, spec, layers, embed, head, n_bytes)
+    forward_traffic, recompute_traffic = _chunk_traffic(plan, spec, layers, embed, head, n_bytes, moe_layers)
     tp = t > 1
     return ChunkCost(
         layers=layers, forward_flops=flops.forward, backward_input_flops=flops.backward_input,
@@ -354,11 +354,14 @@ def _chunk_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers: int, head
 
 
 def _chunk_traffic(plan: Plan, spec: ModelSpec, layers: int, embed: bool, head: bool, n_bytes: int,
-                   ) -> tuple[tuple[int, int], tuple[int, int]]:
+                   moe_layers: int = 0) -> tuple[tuple[int, int], tuple[int, int]]:
     """((replicated, split) elementwise bytes of the chunk's forward, (replicated, split) of its recompute):
-    the layers' traffic, the embedding's output and the head's norm and loss; the recompute's by remat policy."""
+    the layers' traffic (``moe_layers`` of them MoE layers), the embedding's output and the head's norm and loss;
+    the recompute's by remat policy."""
     b, c, t, sp = plan.microbatch_size, plan.precision.compute_bytes, plan.mesh.tensor, plan.sequence_parallel
     replicated, split = (layers * x for x in layer_traffic_bytes(spec, b, plan.precision, t, sp))
+    if moe_layers:  # an MoE layer's own activations for the dense MLP's (testbed.model.moe.layer_traffic_swap)
+        replicated, split = (x + moe_layers * y for x, y in zip((replicated, split), moe.layer_traffic_swap(plan, t)))
     scores = 0 if spec.attention is Attention.FLASH else b * spec.heads * spec.seq_len ** 2 // t
     dropped = (DROPOUT_MASK_BYTES + c) * scores if spec.dropout > 0 else 0
     recompute = {Remat.NONE: (0, 0), Remat.FULL: (replicated, split),

@@ -53,11 +53,13 @@ from testbed.model.kept import keeps_flash_under_full
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import expert_tokens, moe_layers
 from testbed.model.ring import rank_spec
+from testbed.model.xla_tpu import updates_in_epilogue
 from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
 
 __all__ = ["Gemm", "AttentionPass", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms",
            "chunk_gemms", "gemm_flops", "scaled", "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms",
-           "policy_recompute_flops", "dots_rerun_attention", "SAVED_PROJECTIONS", "grouped_kernel", "fp8_scaled"]
+           "policy_recompute_flops", "dots_rerun_attention", "SAVED_PROJECTIONS", "grouped_kernel", "fp8_scaled",
+           "FUSED_UPDATE_KERNEL"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +204,12 @@ def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, exper
         ins += [Gemm(tokens, spec.shared_experts * fe // t, d) for _ in range(inner)]
         outs.append(Gemm(tokens, d, spec.shared_experts * fe // t))
     return ins, outs
+
+
+#: The kernel a routed expert's weight gradient runs in where XLA:TPU fuses the optimizer update into it
+#: (testbed.model.xla_tpu.updates_in_epilogue): its ``grouped`` tag, priced at
+#: testbed.sim.price.grouped_kernels' rate for it.
+FUSED_UPDATE_KERNEL = "xla-expert-update"
 
 
 def grouped_kernel(plan: Plan) -> str | None:
@@ -439,6 +447,8 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
             backward_pass(g) for g in (scores.input_grad(), scores.weight_grad(), values.input_grad(),
                                        values.weight_grad())] + list(extra[1])
         grads = [g.weight_grad() for g in per_layer_weights]
+        if not dense and updates_in_epilogue(plan):  # the routed experts' gradients in the update's kernel
+            grads = [replace(g, grouped=g.grouped or FUSED_UPDATE_KERNEL) if g.batch > 1 else g for g in grads]
         recompute = recompute_gemms(plan, weights, outs, (scores, values), dense) + list(extra[2])
         if layers:
             out = [o + scaled(tuple(x), layers) for o, x in zip(out, (forward, inputs, grads, recompute))]

@@ -269,7 +269,8 @@ def _kept_terms(plan: Plan, stage: int, tpu: bool) -> _KeptTerms:
     per_layer = xla_tpu.layer_kept_bytes(plan) if tpu else kept.layer_kept_bytes(plan)
     if spec.experts and plan.remat is not Remat.FULL:  # MoE layers keep router, dispatched tokens, experts' hidden
         span = [i for r in layout.chunk_layers(spec, p, v, plan.stage_layers)[stage] for i in r]
-        per_layer += moe.moe_layers(spec, span) * moe.activation_bytes_swap(plan, plan.mesh.tensor) // max(1, len(span))
+        per_layer += moe.moe_layers(spec, span) * moe.activation_bytes_swap(plan, plan.mesh.tensor, tpu) // max(
+            1, len(span))
     if tpu:
         head, loss = xla_tpu.head_kept_bytes(plan), xla_tpu.loss_workspace_bytes(plan)
     else:

@@ -50,7 +50,7 @@ from testbed.plan.spec import ModelSpec, Plan, Precision
 
 __all__ = ["moe_layers", "expert_capacity", "active_param_count", "expert_load", "expert_tokens", "local_tokens",
            "dispatch_bytes", "sequence_dispatch", "routed_rows", "mlp_flops_swap", "recompute_flops_swap", "model_flops_swap",
-           "activation_bytes_swap", "hidden_workspace", "dispatch_workspace", "ROUTER_BYTES"]
+           "activation_bytes_swap", "layer_traffic_swap", "hidden_workspace", "dispatch_workspace", "ROUTER_BYTES"]
 
 #: Bytes per router logit and probability (fp32 for a stable softmax, as Switch and Mixtral keep them).
 ROUTER_BYTES = 4
@@ -185,19 +185,46 @@ def model_flops_swap(spec: ModelSpec, tokens: int) -> float:
     return moe_layers(spec) * (_moe_forward(spec, tokens, tokens * spec.top_k, 1) - _dense_mlp(spec, tokens, 1))
 
 
-def activation_bytes_swap(plan: Plan, tensor: int) -> int:
+def activation_bytes_swap(plan: Plan, tensor: int, xla_tpu: bool = False) -> int:
     """Bytes an MoE layer keeps for its backward over a dense one, per microbatch on one rank (may be negative).
 
     Kept: the router's fp32 logits and probabilities (``2 N E``), the dispatched tokens and the experts'
     outputs (``rows d`` each), the routed and shared experts' hidden values (``m rows fe / t`` and
     ``m N S fe / t``, ``m`` the MLP's matrices: SwiGLU keeps gate, up and their product, GELU its input and
-    output); less the dense MLP's hidden (``m N d_ff / t``).
+    output); less the dense MLP's hidden (``m N d_ff / t``). Under XLA:TPU's buffer rules (``xla_tpu``,
+    testbed.model.xla_tpu) ``m - 1`` hidden values per MLP (the activation function's output is recomputed in the
+    backward's fusions, the experts' as the dense MLP's, testbed.model.xla_tpu.layer_kept_bytes: the chip's MoE
+    profiles, benchmarks/tpu_chip/moe/profiles.json, show the experts' down projection reading gate and up, their
+    product made inside its kernel), and of the experts' outputs only the combine's gathered ones, ``N top_k d``
+    (the gate's gradient reads them; nothing in the backward reads the slot buffer of outputs, whose gradient is a
+    scatter into zeros: the profiles' ``gather_fusion`` of ``N top_k`` rows and ``scatter_fusion`` of ``rows``).
     """
+    spec = plan.model
+    if not xla_tpu:
+        return sum(_kept_swap(plan, tensor, spec.mlp_matrices, routed_rows(plan)))
+    return sum(_kept_swap(plan, tensor, spec.mlp_matrices - 1, local_tokens(plan) * spec.top_k))
+
+
+def layer_traffic_swap(plan: Plan, tensor: int) -> tuple[int, int]:
+    """(replicated, split) bytes of activations an MoE layer's forward writes over a dense layer's, per microbatch on
+    one rank (testbed.model.activations.layer_traffic_bytes' two kinds, which count every kept value as XLA:CPU
+    keeps it; may be negative): :func:`activation_bytes_swap`'s, divided by where they live. Replicated, ``d_model``
+    wide on every tensor rank as the residual stream: the router's fp32 logits and probabilities and the slot buffers
+    (the dispatched tokens and the experts' outputs, ``rows d`` each, the padded slots included: the runner's gather,
+    copies and scatter-add move them whole, benchmarks/tpu_moe_ops.py); split: the routed and shared experts' hidden
+    values less the dense MLP's."""
+    return _kept_swap(plan, tensor, plan.model.mlp_matrices, routed_rows(plan))
+
+
+def _kept_swap(plan: Plan, tensor: int, hidden: int, outputs: int) -> tuple[int, int]:
+    """(replicated, split) bytes of :func:`activation_bytes_swap` with ``hidden`` values kept per MLP and ``outputs``
+    rows of the experts' outputs."""
     spec, c = plan.model, Precision(plan.precision).compute_bytes
-    n, fe, m, rows = local_tokens(plan), spec.expert_width, spec.mlp_matrices, routed_rows(plan)
+    n, fe, rows, m = local_tokens(plan), spec.expert_width, routed_rows(plan), hidden
     et = tensor if plan.mesh.expert_tensor is None else plan.mesh.expert_tensor
-    kept = 2 * rows * spec.d_model + m * rows * fe // et + m * n * spec.shared_experts * fe // tensor
-    return ROUTER_BYTES * 2 * n * spec.experts + c * kept - c * m * n * spec.d_ff // tensor
+    replicated = ROUTER_BYTES * 2 * n * spec.experts + c * (rows + outputs) * spec.d_model
+    split = c * (m * rows * fe // et + m * n * spec.shared_experts * fe // tensor) - c * m * n * spec.d_ff // tensor
+    return replicated, split
 
 
 def dispatch_workspace(plan: Plan) -> int:

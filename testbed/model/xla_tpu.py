@@ -218,13 +218,13 @@ def loss_workspace_bytes(plan: Plan) -> int:
 
 def updates_in_epilogue(plan: Plan) -> bool:
     """Whether XLA:TPU (DeviceSpec.fused_updates) runs each weight matrix's optimizer update in the epilogue of its
-    gradient's matmul: one microbatch, one stage, no experts and no gradient summed over devices (the chip's per-op
-    profiles, benchmarks/tpu_chip/profiles.json: one output fusion per matrix). Then no weight gradient is live at
+    gradient's matmul: one microbatch, one stage and no gradient summed over devices (the chip's per-op profiles,
+    benchmarks/tpu_chip/profiles.json: one output fusion per matrix; the routed experts' stacked matrices too, one
+    fusion each, benchmarks/tpu_chip/moe/profiles.json). Then no weight gradient is live at
     the loss's or a layer's backward (the buffer assignments of llama400m-bf16-full, AdamW, and of
     proxy-maxtext16b-v5e-l1, SGD, compiled for v5e). The timing (testbed.sim.step.update_facts.fused_update) and the
     memory (testbed.model.memory) both read this."""
-    return (plan.batch.microbatches == 1 and plan.mesh.stage == 1 and not plan.model.experts
-            and not reduction_axes(plan))
+    return plan.batch.microbatches == 1 and plan.mesh.stage == 1 and not reduction_axes(plan)
 
 
 def packed_merges(order: Sequence[int], size: Callable[[int], float], bound: float,

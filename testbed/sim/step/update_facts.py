@@ -82,7 +82,7 @@ def stage_update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, comb
         regathers = max(1, parameter_collectives(plan, s, None, combine, param_b, which="optimizer"))
         regather_bytes = moved_elements(plan, s, None, "optimizer") / plan.mesh.fsdp * param_b / regathers
     per_param = update_bytes(plan, param_b, grad_b)
-    matrices = fused_update(plan, s) if fused_updates else 0
+    matrices = fused_update(plan, s, routed=False) if fused_updates else 0  # routed experts' updates add whole
     return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard, hbm_bytes=shard * per_param,
                        regathers=regathers, regather_bytes=regather_bytes,
                        fused_flops=2.0 * plan.batch.global_batch * plan.model.seq_len * matrices,
@@ -103,18 +103,21 @@ def hidden_update_bytes(per_param: float, grad_b: float) -> float:
     return grad_b + FUSED_UPDATE_HIDDEN * (per_param - grad_b)
 
 
-def fused_update(plan: Plan, s: int) -> int:
+def fused_update(plan: Plan, s: int, routed: bool = True) -> int:
     """Weight-matrix elements of stage ``s`` on one device whose optimizer update XLA:TPU runs in the epilogue
     of their weight-gradient matmul (0: none). Seen in the chip's per-op profiles (benchmarks/tpu_chip/
     profiles.json): with one microbatch and no gradient sum over devices, each matrix's update is one output
     fusion with its gradient's convolution, which takes the two one after the other (:func:`update_seconds`); the
     token table (its gradient a scatter), the norms and an accumulated (the loop's sum) or reduced gradient are
-    updated apart."""
+    updated apart. ``routed`` False leaves the routed experts' stacked matrices out: their kernels (batched over the
+    experts) fuse the update too, but take its whole pass after their matmul (none of it hides: benchmarks/
+    tpu_moe_ops.py, against :data:`FUSED_UPDATE_HIDDEN` of it, over the chip's MoE profiles), so only the others'
+    updates hide under their matmuls (:func:`stage_update`)."""
     if not xla_tpu.updates_in_epilogue(plan):
         return 0
     held = layout.chunk_params(plan.model, s, 0, 1)
     return sum(copies * p.device_elements(plan.mesh.tensor) for p, copies in held
-               if p.part is not Part.EMBEDDING and len(p.shape) >= 2)
+               if p.part is not Part.EMBEDDING and len(p.shape) >= 2 and (routed or not p.is_expert))
 
 
 def update_seconds(topology, dtype: str, update: StageUpdate) -> float:
