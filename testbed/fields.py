@@ -7,6 +7,8 @@ that would be valid.
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 import stat
@@ -112,6 +114,24 @@ def load_yaml(path: str | Path, text: str | None = None) -> Any:
     path = Path(path)
     if text is None:
         text = read_text(path)
+    if len(text) > _CACHED_CHARS:
+        return _parse(path, text)
+    return copy.deepcopy(_parsed(str(path), text))
+
+
+#: Texts up to this many characters are parsed once a process (plans and topologies, read again and again: PyYAML's
+#: Python parser takes a few milliseconds of CPU over each, most of loading a bundled topology).
+_CACHED_CHARS = 1 << 16
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(path: str, text: str) -> Any:
+    """:func:`_parse`, memoized (a text that fails raises each time; callers get deep copies)."""
+    return _parse(Path(path), text)
+
+
+def _parse(path: Path, text: str) -> Any:
+    """:func:`load_yaml` of ``text`` read from ``path``."""
     try:
         loader = _Loader(text)  # the reader checks the characters here (a control character is a ReaderError)
     except yaml.YAMLError as exc:

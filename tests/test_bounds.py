@@ -92,7 +92,7 @@ def test_collective_execute_sizes_beyond_host_memory_are_refused_before_jax(size
 
 def test_a_plain_large_yaml_is_not_called_an_alias_bomb(tmp_path):
     big = tmp_path / "big.yaml"
-    big.write_text(yaml.safe_dump({"values": list(range(120_000))}))
+    big.write_text("values:\n" + "".join(f"- {i}\n" for i in range(120_000)))  # yaml.safe_dump's text, 60x sooner
     with pytest.raises(InputError) as plain:
         load_yaml(big)
     assert "aliases" not in plain.value.message and "more than 100,000 values" in plain.value.message

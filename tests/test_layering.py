@@ -16,6 +16,7 @@ distribution, one top-level package: everything lives under ``testbed``.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import networkx as nx
@@ -73,15 +74,17 @@ def _imports(tree: ast.AST, module: str, is_package: bool, modules: dict[str, Pa
     return found
 
 
+@functools.cache
 def import_graph() -> nx.DiGraph:
-    """module -> the project modules it imports (a package's ``__init__`` is the package's name)."""
+    """module -> the project modules it imports (a package's ``__init__`` is the package's name); frozen, built once
+    for this module's tests (the sources do not change while they run)."""
     modules = _modules()
     graph = nx.DiGraph()
     for name, path in modules.items():
         graph.add_node(name)
         for target in _imports(ast.parse(path.read_text()), name, path.name == "__init__.py", modules):
             graph.add_edge(name, target)
-    return graph
+    return nx.freeze(graph)
 
 
 def _is_command(module: str) -> bool:

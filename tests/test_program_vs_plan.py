@@ -110,7 +110,7 @@ def _both(plan: Plan, topology_name: str):
     planned = simulate(plan, topology)
     ids, names = place(plan, topology).device_ids, tuple(a.value for a in MESH_AXES)
     dtypes = _program_dtypes(topology)
-    as_traced = simulate(plan, dtypes).program
+    as_traced = planned.program if dtypes is topology else simulate(plan, dtypes).program
     moved = traced.program if dtypes is topology else workload_program(compiled_collectives(workload, dtypes), dtypes)
     return traced, planned, collective_bytes(moved, ids, names), collective_bytes(as_traced, ids, names)
 

@@ -4,6 +4,7 @@ search that stops its replays so ranks the same ``top`` fastest as replaying eac
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import replace
 
@@ -22,10 +23,13 @@ FRACTIONS = (0.5, 0.9, 0.99, 0.999)
 
 
 def _sampled(model: str, topology: str, devices: int, count: int, seed: int) -> list:
+    """``count`` of the space's plans that fit the topology's devices, drawn at random (``seed``): the candidates
+    shuffled, then the first that fit (a uniform draw of the fitting ones, pricing the memory of only as many
+    candidates as it takes, not of the thousands in the space)."""
     topo = load_topology(topology)
-    plans = [p for p in candidates(preset_plan(model), devices, SPACE) if plan_memory(p, topo).fits]
+    plans = list(candidates(preset_plan(model), devices, SPACE))
     random.Random(seed).shuffle(plans)
-    return plans[:count]
+    return list(itertools.islice((p for p in plans if plan_memory(p, topo).fits), count))
 
 
 @pytest.mark.parametrize(("model", "topology", "devices", "seed"), [

@@ -22,6 +22,8 @@ Run as a script it prints one JSON object.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import statistics
 import sys
@@ -63,9 +65,17 @@ def architecture(plan: Plan) -> str:
     return "moe" if plan.model.experts else "dense"
 
 
+@functools.lru_cache(maxsize=4)
+def _parsed(text: str) -> dict:
+    """A cases file's text parsed, once a process per text: PyYAML's Python parser takes a fifth of a second of
+    CPU over runs.yaml, which the tests load dozens of times."""
+    return yaml.safe_load(text)
+
+
 def load_cases(path: Path | str = CASES) -> tuple[list[dict], dict[str, Topology]]:
-    """The cases of ``path`` and its inline topologies by name."""
-    data = yaml.safe_load(Path(path).read_text())
+    """The cases of ``path`` and its inline topologies by name (the cases a copy of their own, the caller's to
+    change)."""
+    data = copy.deepcopy(_parsed(Path(path).read_text()))
     inline = {name: topology_from_dict(spec, default_name=name) for name, spec in (data.get("topologies") or {}).items()}
     return data["cases"], inline
 

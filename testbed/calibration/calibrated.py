@@ -11,10 +11,11 @@ only where the measurements found them. Pure: no JAX, no files.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -61,6 +62,26 @@ def simulator_collective_time(topology: Topology, sample: fit.Sample, reference:
     return float(collective_timing.collective_time(topology, op, group, sample.bytes, algorithm).time_s)
 
 
+class _Template(NamedTuple):
+    """What :func:`base_topology` matches a bundled topology by: its file name, name, device name and count."""
+
+    file: str
+    name: str
+    device: str
+    num_devices: int
+
+
+@functools.cache
+def _bundled_templates() -> tuple[_Template, ...]:
+    """Every bundled topology's :class:`_Template`, read once a process (the bundled files are package data;
+    loading all of them builds every graph, the 16,384-device ones included: a third of a second)."""
+    out = []
+    for file in bundled_names():
+        topology = load_topology(file)
+        out.append(_Template(file, topology.name, topology.device.name, topology.num_devices))
+    return tuple(out)
+
+
 def base_topology(base: str | None, platform: str, num_devices: int, device_kind: str = "") -> Topology:
     """The topology to calibrate: ``--base`` if given, else one matching the detected devices.
 
@@ -76,14 +97,14 @@ def base_topology(base: str | None, platform: str, num_devices: int, device_kind
             raise InputError(f"the base topology has {topo.num_devices} devices but {num_devices} are measured; "
                              f"pass a --base with {num_devices} devices", field="--base")
         return topo
-    bundled = [load_topology(name) for name in bundled_names()]
+    bundled = _bundled_templates()
     if platform == "cpu":
         matches = [t for t in bundled if t.name == "host-cpu-8"]
     else:
-        matches = [t for t in bundled if is_chip(t.device.name, device_kind)]
+        matches = [t for t in bundled if is_chip(t.device, device_kind)]
         matches = matches or [t for t in bundled if t.name == ("dgx-h100" if platform == "gpu" else "tpu-v5e-4x4")]
     matches.sort(key=lambda t: t.num_devices != num_devices)
-    template = matches[0]
+    template = load_topology(matches[0].file)
     if template.num_devices == num_devices:
         return template
     level = template.levels[0]

@@ -263,6 +263,8 @@ def collectives(text: str, axis_sizes: dict[str, int]) -> tuple[list[Reshard], l
                 for block in region.blocks:
                     for inner in block.operations:
                         name = inner.operation.name
+                        if not (name in KINDS or name in MANUAL or name in ("func.call", "call") or len(inner.regions)):
+                            continue  # a plain op: nothing to count, nothing inside (its location unread: slow to print)
                         again = remat or _REMAT in str(inner.location)
                         if name in KINDS:
                             found[(*_collective(inner, axis_sizes, order), again)] += times

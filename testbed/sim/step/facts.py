@@ -22,7 +22,7 @@ testbed.sim.step.grad_bytes'.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from testbed.model import buffers
@@ -86,6 +86,8 @@ class StepFacts:
     #: The collective kinds played in program order with the compute (testbed.topology.parts.DeviceSpec.
     #: held_collectives; testbed.sim.step.step_rules.held_stream).
     held: frozenset[str] = frozenset()
+    #: :meth:`dispatch_buffers` per (stage, chunk, kind, accumulated), filled as the step's actions ask.
+    _buffers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def stages(self) -> int:
@@ -143,10 +145,15 @@ class StepFacts:
 
     def dispatch_buffers(self, stage: int, chunk: int, kind: str, accumulated: bool) -> int:
         """Device buffers the controller passes dispatching one action's program and its sends
-        (testbed.model.buffers)."""
-        sends = len(self.chunks[stage][chunk].action(kind).sends)
-        return buffers.action_buffers(self.plan, stage, chunk, kind, accumulated) + sends * buffers.send_buffers(
-            self.plan)
+        (testbed.model.buffers); worked out once per (stage, chunk, kind, accumulated): every microbatch's action
+        asks it again."""
+        key = (stage, chunk, kind, accumulated)
+        found = self._buffers.get(key)
+        if found is None:
+            sends = len(self.chunks[stage][chunk].action(kind).sends)
+            found = self._buffers[key] = (buffers.action_buffers(self.plan, stage, chunk, kind, accumulated)
+                                          + sends * buffers.send_buffers(self.plan))
+        return found
 
 
 def topology_rules(topology: Topology) -> dict[str, Any]:
@@ -251,7 +258,7 @@ def facts_key(facts: StepFacts, device_ids, controller: bool) -> FactsKey:
     plan = facts.plan
     remat = plan.remat if controller or plan.mesh.context > 1 else None
     plan_fields = tuple(getattr(plan, f.name) for f in fields(plan) if f.compare and f.name not in ("name", "remat"))
-    rest = tuple(getattr(facts, f.name) for f in fields(facts) if f.name != "plan")
+    rest = tuple(getattr(facts, f.name) for f in fields(facts) if f.compare and f.name != "plan")
     return FactsKey((plan_fields, remat, device_ids.shape, device_ids.tobytes()), rest)
 
 
