@@ -161,9 +161,10 @@ def _dumped(folder: Path) -> bool:
     return any(folder.glob("*jit_train_step*.after_optimizations-live-range.txt"))
 
 
-def collect_one(name: str, wall: float) -> dict[str, int]:
-    """Compile ``name``'s recorded plan with the dump flags until its buffer assignment is written; read it."""
-    folder = Path(tempfile.mkdtemp(prefix="xla_tpu_heap_"))
+def compiled_dump(name: str, wall: float, read, prefix: str = "xla_tpu_heap_"):
+    """Compile ``name``'s recorded plan with the dump flags (``memory_vs_xla_tpu.py --one`` in a subprocess) until
+    its buffer assignment is written, at most ``wall`` seconds; ``read(folder)`` of the dump (then deleted)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
     env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={folder} --xla_dump_hlo_as_text"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "memory_vs_xla_tpu.py"), "--one", name],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -172,11 +173,16 @@ def collect_one(name: str, wall: float) -> dict[str, int]:
         while not _dumped(folder) and proc.poll() is None and time.time() - start < wall:
             time.sleep(1)
         time.sleep(3)  # the files are written one after the other
-        return read_dump(folder)
+        return read(folder)
     finally:
         proc.kill()
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def collect_one(name: str, wall: float) -> dict[str, int]:
+    """Compile ``name``'s recorded plan with the dump flags until its buffer assignment is written; read it."""
+    return compiled_dump(name, wall, read_dump)
 
 
 def _plans(names: list[str] | None) -> list[str]:

@@ -31,16 +31,12 @@ import datetime
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from xla_tpu_heap import RECORDS, _dumped, _live_ranges, _temporaries, _union  # noqa: E402
+from xla_tpu_heap import RECORDS, _live_ranges, _temporaries, _union, compiled_dump  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "xla_tpu_probes" / "peak_buffers.json"
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (\S+(?: \S+)*?) ([a-z][a-z0-9\-_]*)\((.*)$")
@@ -149,20 +145,7 @@ def _row(size: int, offset: int, name: str, what: str, ranges: dict, ops: dict) 
 
 def collect_one(name: str, wall: float) -> dict:
     """Compile ``name``'s recorded plan with the dump flags until its buffer assignment is written; read it."""
-    folder = Path(tempfile.mkdtemp(prefix="xla_tpu_peak_"))
-    env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={folder} --xla_dump_hlo_as_text"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "memory_vs_xla_tpu.py"), "--one", name],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        start = time.time()
-        while not _dumped(folder) and proc.poll() is None and time.time() - start < wall:
-            time.sleep(1)
-        time.sleep(3)  # the files are written one after the other
-        return read_dump(folder)
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+    return compiled_dump(name, wall, read_dump, "xla_tpu_peak_")
 
 
 def collect(names: list[str], wall: float) -> dict:
