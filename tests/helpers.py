@@ -38,3 +38,24 @@ def with_xla_merges(topology):
 def merging_tpu():
     """tpu-v5e-16x16 with XLA's default merge bound (``with_xla_merges``)."""
     return with_xla_merges(load_topology("tpu-v5e-16x16"))
+
+
+
+def chip_predictions(paths: dict) -> dict[str, tuple[float, float]]:
+    """Today's (step seconds, memory bytes) of each named one-chip plan file on the bundled tpu-v5e-1
+    (testbed.sim.graph.engine.simulate, testbed.model.memory.memory_breakdown)."""
+    from testbed.model.memory import memory_breakdown
+    from testbed.plan.io import load_plan
+    from testbed.sim.graph.engine import simulate
+
+    topology = load_topology("tpu-v5e-1")
+    out = {}
+    for name, path in paths.items():
+        plan = load_plan(str(path))
+        out[name] = (simulate(plan, topology).report.step_time_s, float(memory_breakdown(plan, topology).total))
+    return out
+
+
+def worst(errors: dict[str, float], limit: float) -> list[str]:
+    """The names whose error's magnitude passes ``limit``, sorted."""
+    return sorted(p for p, e in errors.items() if abs(e) > limit)

@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from helpers import chip_predictions, worst
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / "tpu_chip" / "proxies"
@@ -22,38 +23,16 @@ PREDICTED = json.loads((DATA / "predicted.json").read_text())
 STEP, MEMORY = (0.08, 0.15), (0.03, 0.08)
 
 
-def _plan(name: str):
-    from testbed.plan.io import load_plan
-
-    return load_plan(str(DATA / f"{name}.yaml"))
+PREDICTED_NOW = chip_predictions({r["plan"]: DATA / f"{r['plan']}.yaml" for r in RUNS["plans"]})
 
 
-def _errors(measure, measured) -> dict[str, float]:
-    """Each proxy's ``measure(plan, topology)`` on the bundled tpu-v5e-1 over ``measured(row)`` of its record, - 1."""
-    from testbed.topology.io import load_topology
-
-    topology = load_topology("tpu-v5e-1")
-    return {r["plan"]: measure(_plan(r["plan"]), topology) / measured(r) - 1 for r in RUNS["plans"]}
+def _errors(index: int, measured) -> dict[str, float]:
+    """Today's step time (``index`` 0) or memory (1) of each proxy over ``measured(row)`` of its record, - 1."""
+    return {r["plan"]: PREDICTED_NOW[r["plan"]][index] / measured(r) - 1 for r in RUNS["plans"]}
 
 
-def _step(plan, topology) -> float:
-    from testbed.sim.graph.engine import simulate
-
-    return simulate(plan, topology).report.step_time_s
-
-
-def _memory(plan, topology) -> float:
-    from testbed.model.memory import memory_breakdown
-
-    return memory_breakdown(plan, topology).total
-
-
-STEPS = _errors(_step, lambda row: row["median_s"])
-MEMORIES = _errors(_memory, lambda row: row["memory"]["total"])
-
-
-def _worst(errors: dict[str, float], limit: float) -> list[str]:
-    return sorted(p for p, e in errors.items() if abs(e) > limit)
+STEPS = _errors(0, lambda row: row["median_s"])
+MEMORIES = _errors(1, lambda row: row["memory"]["total"])
 
 
 def test_every_proxy_ran_on_the_chip_and_was_predicted_first() -> None:
@@ -68,7 +47,7 @@ def test_the_step_time_median_meets_the_chip_goal() -> None:
 
 
 def test_the_step_time_max_meets_the_chip_goal() -> None:
-    assert _worst(STEPS, STEP[1]) == [], STEPS
+    assert worst(STEPS, STEP[1]) == [], STEPS
 
 
 @pytest.mark.xfail(strict=True, reason="against XLA:TPU's total proxy-maxtext16b-v5e-l2 is -12.9% and "
@@ -83,9 +62,9 @@ def test_the_memory_meets_the_chip_goal() -> None:
 def test_the_memory_meets_the_chip_goal_against_xlas_peak() -> None:
     """Against XLA:TPU's peak (the arguments plus the most temporaries live at once, what testbed's instants
     price) every proxy meets the chip's memory goal."""
-    peaks = _errors(_memory, lambda row: row["memory"]["peak"])
+    peaks = _errors(1, lambda row: row["memory"]["peak"])
     assert statistics.median(abs(e) for e in peaks.values()) <= MEMORY[0], peaks
-    assert _worst(peaks, MEMORY[1]) == [], peaks
+    assert worst(peaks, MEMORY[1]) == [], peaks
 
 
 def test_the_fuji_proxies_memory_is_within_the_goal() -> None:
