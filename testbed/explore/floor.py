@@ -196,26 +196,32 @@ def played_at(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
     """The schedule's dependency order played with each action at ``priced``'s seconds (per stage, ``(chunk, kind)``
     -> seconds), as :func:`played_floor` plays it at its floors: the latest end."""
     p = plan.mesh.stage
-    end: dict[tuple, float] = {}
+    end: list[float] = []
     free = [0.0] * p
-    for s, key, action, deps in _floor_order(plan.schedule.name.value, p, plan.batch.microbatches,
-                                             plan.schedule.virtual_stages):
+    for s, action, deps in _floor_order(plan.schedule.name.value, p, plan.batch.microbatches,
+                                        plan.schedule.virtual_stages):
         start = free[s]
         for dep in deps:
             t = end[dep]
             if t > start:
                 start = t
-        free[s] = end[key] = start + priced[s][action]
+        free[s] = t = start + priced[s][action]
+        end.append(t)
     return max(free)
 
 
 @functools.lru_cache(maxsize=4096)
-def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[int, tuple, tuple[int, str], tuple], ...]:
+def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[int, tuple[int, str], tuple[int, ...]], ...]:
     """The schedule's execution order (testbed.sim.step.memo.cached_order) as :func:`_played_floor` plays it: per
-    action its stage, its key, its ``(chunk, kind)`` and every key it waits for, its stage's and other stages' alike
-    (a send arrives no earlier than its sender ends: testbed.sim.step.memo.Waits)."""
-    return tuple((s, (s, a.kind, a.microbatch, a.chunk), (a.chunk, a.kind), w.ends + w.receives)
-                 for s, a, w in cached_order(name, p, m, v)[1])
+    action its stage, its ``(chunk, kind)`` and the positions in the order of every action it waits for, its
+    stage's and other stages' alike (a send arrives no earlier than its sender ends: testbed.sim.step.memo.Waits;
+    each before it: the order puts dependencies first)."""
+    at: dict[tuple, int] = {}  # an action's key -> its position
+    out = []
+    for i, (s, a, w) in enumerate(cached_order(name, p, m, v)[1]):
+        out.append((s, (a.chunk, a.kind), tuple(at[key] for key in w.ends + w.receives)))
+        at[(s, a.kind, a.microbatch, a.chunk)] = i
+    return tuple(out)
 
 
 def stage_floors(plan: Plan, topology: Topology, computes: list | None = None

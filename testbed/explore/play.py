@@ -24,7 +24,7 @@ from testbed.sim.price.barriers import interleaved_wait, step_end_wait
 from testbed.sim.step.memo import Waits
 from testbed.sim.step.update_facts import update_seconds
 from testbed.sim.step.step_rules import (ActionStep, Gradients, action_dispatch, action_steps, dispatch_seconds,
-                                    gather_after, prepare_seconds, step_dispatch, step_prepare, update_dispatch)
+                                    prepare_seconds, step_dispatch, step_prepare, update_dispatch)
 from testbed.sim.step.tp_overlap import slowed_overlap
 
 if TYPE_CHECKING:
@@ -142,12 +142,14 @@ class Play:
         # Without prefetch each gather, exposed, first meets its group after a block's computing.
         wait = skewed.barrier_wait(self.facts.params_ways, c) if skewed is not None and d == 0 else 0.0
         gathers = priced.block_gathers or (g,) * n
-        parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
+        # (x * 1.0 and x + 0.0 are x: the tuples are built only where they differ)
+        parts = (priced.parts if self.slow == 1.0 else tuple(self.slow * x for x in priced.parts)) if priced.parts \
+            else (c,) * n
         held = priced.held_parts if grads.release else priced.scatter_parts if grads.each else ()
         if priced.gather_parts and (len(held) == n or priced.held_gathers) and not priced.plays:
             return self._held_blocks(s, priced, held if len(held) == n else (), wait, start, parts)
-        return self._gathered_blocks(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts),
-                                     priced.plays)
+        return self._gathered_blocks(s, tuple(x + wait for x in gathers) if wait else gathers, start, parts,
+                                     bool(priced.parts), priced.plays)
 
     def _gathered_blocks(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...],
                          own: bool, plays: tuple = ()) -> tuple[float, float]:
@@ -454,13 +456,15 @@ def _blocks(gathers: tuple[float, ...], parts: tuple[float, ...], start: float, 
             before: list[float], prefetch: int, spans: bool) -> tuple[list[float], float, list[tuple[float, float]]]:
     """Blocks of ``gathers`` and ``parts`` seconds played (:meth:`Play._gathered_blocks`): (each block's end, when
     the last gather ends, when each gather is in flight if ``spans``)."""
-    gather_end, ends, flying = gather_free, [], []
-    for i, (g, c) in enumerate(zip(gathers, parts)):
-        after = gather_after(i, prefetch, ends, before) or 0.0
-        gather_end = max(gather_end, after) + g
+    gather_end, ends, flying, end, back = gather_free, [], [], start, len(before) - 1 - prefetch
+    for i, (g, c) in enumerate(zip(gathers, parts)):  # (gather_after inlined: the hottest loop of the play)
+        j = i - 1 - prefetch
+        after = (ends[j] if j >= 0 else before[back + i] if back + i >= 0 else None) or 0.0
+        gather_end = (after if after > gather_end else gather_end) + g
         if spans:
             flying.append((gather_end - g, gather_end))
-        ends.append(max(ends[-1] if ends else start, gather_end) + c)
+        end = (gather_end if gather_end > end else end) + c
+        ends.append(end)
     return ends, gather_end, flying
 
 

@@ -87,6 +87,21 @@ def stage_rests(step: StepPrices, floors: dict[tuple[int, int, str], float]) -> 
     """Per stage, the floors of all its actions in the schedule's order and its optimizer's compute."""
     facts = step.facts
     rests = [update_seconds(step.topology, step.dtype, u) for u in facts.updates]  # what play.py's update costs
-    for s, action, _ in facts.order:
-        rests[s] += floors[(s, action.chunk, action.kind)]
+    for s, key in _floor_keys(facts.order):
+        rests[s] += floors[key]
     return rests
+
+
+#: id(order) -> (order, each action's stage and floor key): the schedules' orders are memoized, so plays share them.
+_KEYS: dict[int, tuple[tuple, tuple]] = {}
+
+
+def _floor_keys(order: tuple) -> tuple[tuple[int, tuple[int, int, str]], ...]:
+    """Each action of ``order`` (StepFacts.order) as its stage and its key in :func:`action_floors`, memoized (the
+    memo keeps the order, so its id is not reused)."""
+    hit = _KEYS.get(id(order))
+    if hit is None or hit[0] is not order:
+        if len(_KEYS) > 1024:
+            _KEYS.clear()
+        hit = _KEYS[id(order)] = (order, tuple((s, (s, a.chunk, a.kind)) for s, a, _ in order))
+    return hit[1]

@@ -10,6 +10,7 @@ import math
 from collections import Counter
 from typing import NamedTuple
 
+from testbed.collectives.routed import topology_memo
 from testbed.collectives.timing import send_time
 from testbed.explore.span_times import priced_plays
 from testbed.explore.held_blocks import Part
@@ -31,6 +32,10 @@ from testbed.sim.step.step_rules import pieces as step_pieces
 from testbed.topology import Topology
 
 __all__ = ["StepPrices", "ActionPrice", "PricedSend", "Reduced"]
+
+#: At most this many placements, meshes and reductions alike whose gradient reductions a topology's memo keeps
+#: (:meth:`StepPrices._reduce`).
+_REDUCED = 4096
 
 
 class Reduced(NamedTuple):
@@ -115,7 +120,13 @@ class StepPrices:
         self.tied_s = tied_seconds(topology, ids, facts.tied_bytes)
         self.prices: dict[tuple[int, int, str], ActionPrice] = {}
         self._played: dict[tuple, ActionPrice] = {}  # :meth:`played`'s memo
-        self._reduced: dict[tuple, Reduced] = {}  # :meth:`_reduce`'s memo
+        # :meth:`_reduce`'s memo, kept per topology across plans alike in all it reads beside its arguments: the
+        # placement (its collectives' groups), the mesh, the reductions and the collectives held with the compute.
+        reduced = topology_memo(topology).setdefault("reduced", {})
+        if len(reduced) > _REDUCED:
+            reduced.clear()
+        self._reduced: dict[tuple, Reduced] = reduced.setdefault(
+            (self.coll.placement, facts.plan.mesh, facts.reductions, facts.held), {})
         self._sent: dict[tuple, PricedSend] = {}  # :meth:`_sends`' memo
         plan, v = facts.plan, facts.virtual
         spans = chunk_layers(plan.model, p, v, plan.stage_layers)
@@ -406,7 +417,7 @@ class StepPrices:
         blocking held with the compute: step_rules.held_stream, but the sequence-replicated gradients' sum's, on their
         own stream) and its collectives as barriers (testbed.sim.price.barriers), the first first; ``op``: the dense
         reduce-scatter's op where the compiler makes it another (testbed.sim.graph.grad_tasks.reduce_tasks').
-        Memoized per step (a chunk's alike buckets and blocks)."""
+        Memoized (a chunk's alike buckets and blocks, and other plans' of the same placement, mesh and reductions)."""
         key = (stage, nbytes, special, leaves, tail, select, op)
         hit = self._reduced.get(key)
         if hit is None:

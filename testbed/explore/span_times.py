@@ -17,7 +17,7 @@ from testbed.sim.price.compute import compute_seconds
 from testbed.sim.step.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.step.span_order import BlockPlay, span_kernels, time_block
 from testbed.sim.graph.span_play import action_plays
-from testbed.sim.step.step_rules import gather_after, held_stream
+from testbed.sim.step.step_rules import held_stream
 
 if TYPE_CHECKING:
     from testbed.explore.prices import StepPrices
@@ -119,13 +119,15 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
     before the block's compute (testbed.sim.step.step_rules.held_stream)."""
     gather_end, compute, tensor = gather_free, start, start
     starts, ends, dones, flying, releases, summed = [], [], [], [], [], []
+    previous, back = start, len(before) - 1 - prefetch
     for i, (g, block) in enumerate(zip(gathers, plays)):
-        after = gather_after(i, prefetch, dones, before) or 0.0
-        if block.play.waits >= 0:  # the unlinked last layer's, after the head's summed input gradient
-            after = max(after, summed[block.play.waits])
-        previous = ends[-1] if ends else start
+        j = i - 1 - prefetch  # (gather_after inlined)
+        after = (dones[j] if j >= 0 else before[back + i] if back + i >= 0 else None) or 0.0
+        play = block.play
+        if play.waits >= 0:  # the unlinked last layer's, after the head's summed input gradient
+            after = max(after, summed[play.waits])
         total = sum(block.merges)  # each merge lands in its share of the block's gather (g: with a barrier's wait)
-        if any(block.held):  # those the compiler runs blocking: on the compute stream before the block
+        if True in block.held:  # those the compiler runs blocking: on the compute stream before the block
             held = sum(x for x, h in zip(block.merges, block.held) if h) * g / total
             begin = max(gather_end, after)
             gather_end = begin + g - held
@@ -141,14 +143,16 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
             flying.append((begin, gather_end))
             merges = tuple(itertools.accumulate((begin, *(x * g / total for x in block.merges))))[1:] if total else ()
             landed = gather_end
-        t0 = max(previous, landed)
+        t0 = landed if landed > previous else previous
         seconds = block.seconds if scale[i] == 1.0 else tuple(x * scale[i] if item.stream == "compute" else x
-                                                               for x, item in zip(block.seconds, block.play.items))
-        end, done, compute, tensor, out, first, sums = time_block(block.play, seconds, t0, previous, merges,
+                                                               for x, item in zip(block.seconds, play.items))
+        end, done, compute, tensor, out, first, sums = time_block(play, seconds, t0, previous, merges,
                                                                   landed, compute, tensor)
         summed.append(sums)
-        starts.append(min(t0, first))
+        starts.append(first if first < t0 else t0)
         ends.append(end)
         dones.append(done)
-        releases += [(at, block.buckets[idx]) for idx, at in out]
+        if out:
+            releases += [(at, block.buckets[idx]) for idx, at in out]
+        previous = end
     return Played(starts, ends, dones, gather_end, flying, releases)

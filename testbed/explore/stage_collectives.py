@@ -42,11 +42,12 @@ class StageCollectives:
     def __init__(self, topology: Topology, ids) -> None:
         self.topology, self.ids = topology, ids
         self.placement = (ids.shape, ids.tobytes())  # plans of one mesh share their groups (a search meets many)
+        self.memo = topology_memo(topology).setdefault("analytic", {})  # one entry of it (its size bounds it)
 
     def time(self, op: str, axes: tuple[Axis, ...], stage: int, nbytes: float) -> float:
         # Memoized by placement rather than by the groups themselves: groups_time's own memo hashes every group's
         # every rank per call (thousands at 16,384 devices), while the placement's bytes hash once.
-        memo = topology_memo(self.topology).setdefault("analytic", {})  # one entry of it (its size bounds it)
+        memo = self.memo
         seconds = memo.get((self.placement, axes, stage, op, nbytes))
         if seconds is None:
             key = (self.placement, axes, stage)

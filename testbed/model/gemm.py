@@ -44,6 +44,7 @@ scores; flash attention's backward recomputes the scores in any case. The plan's
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from testbed.model import layout
@@ -239,6 +240,7 @@ def head_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]
     return (Gemm(batch * spec.seq_len, spec.padded_vocab // tensor, spec.d_model),)
 
 
+@functools.lru_cache(maxsize=1 << 14, typed=True)  # pure; the analytic tier prices each action's blocks for every plan it estimates
 def scaled(gemms: tuple[Gemm, ...], factor: float) -> tuple[Gemm, ...]:
     """The same GEMMs ``factor`` times as often (layers; a bucket's fraction of an action)."""
     return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash, g.attention, g.amax_pass,  # not replace()
@@ -289,6 +291,7 @@ def backward_pass(gemm: Gemm) -> Gemm:
     return gemm if mark is None or mark.backward else replace(gemm, attention=replace(mark, backward=True))
 
 
+@functools.lru_cache(maxsize=1 << 12)  # pure; every chunk's facts of every plan a search estimates read it
 def without(gemms: tuple[Gemm, ...], removed: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
     """``gemms`` less ``removed``, count by count of equal shapes (an action's GEMMs but those of its ring
     steps, which the task graph runs as their own tasks). Raises ValueError when ``removed`` is not in it."""
