@@ -21,7 +21,14 @@ testbed's instants price; ``benchmarks/xla_tpu_heap.py`` reads what the total ho
 it), the verdicts that disagree and the plans whose collectives differ. ``--table PATH``
 also writes the markdown table of docs/xla_tpu.md.
 
+``--heldout`` takes the held-out plans of :func:`_heldout` instead (``benchmarks/xla_tpu_heldout/``): plans
+none of testbed's XLA:TPU rules was written or fitted on, whose predictions ``--heldout --predict`` records
+(``predicted.json``, with the commit) before ``--heldout --collect`` compiles them into ``compiled/``. The
+default run reports them under ``heldout``: today's predictions and the recorded ones against XLA's.
+
     PYTHONPATH=/tmp/tpusite nice python benchmarks/memory_vs_xla_tpu.py --collect [--only NAME ...] [--limit CPU_S]
+    python benchmarks/memory_vs_xla_tpu.py --heldout --predict
+    python benchmarks/memory_vs_xla_tpu.py --heldout --collect
     python benchmarks/memory_vs_xla_tpu.py [--table docs/xla_tpu_table.md]
 """
 
@@ -33,6 +40,7 @@ import json
 import os
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -40,6 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / "xla_tpu"
+HELDOUT = ROOT / "benchmarks" / "xla_tpu_heldout"
 
 _GPT = {"kind": "gpt", "vocab": 32000}
 _LLAMA = {"kind": "gpt", "mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "bias": False, "vocab": 32000,
@@ -107,6 +116,37 @@ def _plans() -> list[dict]:
     ]
 
 
+def _heldout() -> list[dict]:
+    """Multi-chip plans of widths, meshes and targets the recorded set lacks (an 8-chip v5e, a 128-chip v5p,
+    context with fsdp, expert with data, accumulation under tensor parallelism, fp32 fsdp x tensor, 3k widths),
+    predicted before they are compiled: how the memory and collective rules fare on plans they were not written on."""
+    llama3k = _model(_LLAMA, 3072, 2, 2048, 24, kv_heads=8)
+    gpt1536 = _model(_GPT, 1536, 2, 1024, 12)
+    llama4k = _model(_LLAMA, 4096, 2, 4096, 32, kv_heads=8)
+    moe2k = _model(_LLAMA, 2048, 2, 2048, 16, kv_heads=4, experts=8, top_k=2)
+    return [
+        _plan("ho-llama3k-data2-fsdp8-selective", "tpu:v5e:4x4", llama3k, 32, {"data": 2, "fsdp": 8},
+              remat="selective"),
+        _plan("ho-gpt1536-data4-tensor2-mb4", "tpu:v5e:2x4", gpt1536, 32, {"data": 4, "tensor": 2}, microbatches=4),
+        _plan("ho-llama4k-tensor8-sp-full", "tpu:v5p:2x2x2", llama4k, 8, {"tensor": 8}, remat="full",
+              sequence_parallel=True),
+        _plan("ho-moe2k-data2-expert8-selective", "tpu:v5e:4x4", moe2k, 32, {"data": 2, "expert": 8},
+              remat="selective"),
+        _plan("ho-gpt2k-fsdp32-tensor2-fp32-full", "tpu:v5e:8x8", _model(_GPT, 2048, 2, 2048, 16), 64,
+              {"fsdp": 32, "tensor": 2}, precision="fp32", remat="full"),
+        _plan("ho-llama2k-fsdp8-context2-flash", "tpu:v5e:4x4",
+              _model(_LLAMA, 2048, 2, 8192, 16, kv_heads=4, attention="flash"), 8, {"fsdp": 8, "context": 2},
+              remat="full"),
+        _plan("ho-llama2k-data16-fsdp16-full", "tpu:v5e:16x16", _model(_LLAMA, 2048, 2, 2048, 16, kv_heads=4), 256,
+              {"data": 16, "fsdp": 16}, remat="full"),
+        _plan("ho-gpt1k-data8-seq4096-flash", "tpu:v5e:2x4", _model(_GPT, 1024, 2, 4096, 16, attention="flash"), 16,
+              {"data": 8}, remat="selective"),
+        _plan("ho-llama4k-fsdp128-full", "tpu:v5p:4x4x8", llama4k, 128, {"fsdp": 128}, remat="full"),
+        _plan("ho-gpt3k-data4-tensor4-sp-selective", "tpu:v5e:4x4", _model(_GPT, 3072, 2, 2048, 24), 16,
+              {"data": 4, "tensor": 4}, remat="selective", sequence_parallel=True),
+    ]
+
+
 def _single_chip() -> list[dict]:
     """The single-device validation plans (plans/validation-1dev/) on one v5e chip: XLA:TPU's memory for one
     chip is what the chip allocates."""
@@ -143,20 +183,22 @@ def compile_one(entry: dict) -> dict:
     return {"report": report.to_dict(), "versions": versions()}
 
 
-def collect(names: list[str] | None, limit: float, wall: float, again: bool) -> dict:
+def collect(names: list[str] | None, limit: float, wall: float, again: bool, heldout: bool = False) -> dict:
     """Compile every entry (or ``names``) not yet recorded, each in a subprocess under ``limit`` seconds of CPU
-    (a shared host's load does not count against a plan) and ``wall`` seconds of wall time."""
-    DATA.mkdir(parents=True, exist_ok=True)
+    (a shared host's load does not count against a plan) and ``wall`` seconds of wall time; ``heldout``: the
+    held-out plans, into ``benchmarks/xla_tpu_heldout/compiled``."""
+    folder = HELDOUT / "compiled" if heldout else DATA
+    folder.mkdir(parents=True, exist_ok=True)
     done = []
-    listed = entries()
+    listed = _heldout() if heldout else entries()
     if names:  # in the order asked for
         listed = sorted((e for e in listed if e["plan"]["name"] in names), key=lambda e: names.index(e["plan"]["name"]))
     for entry in listed:
         name = entry["plan"]["name"]
-        path = DATA / f"{name}.json"
+        path = folder / f"{name}.json"
         if (names and name not in names) or (path.exists() and not again and not names):
             continue
-        command = f"python benchmarks/memory_vs_xla_tpu.py --collect --only {name}"
+        command = f"python benchmarks/memory_vs_xla_tpu.py{' --heldout' if heldout else ''} --collect --only {name}"
         start = time.time()
         try:
             proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True,
@@ -178,6 +220,50 @@ def collect(names: list[str] | None, limit: float, wall: float, again: bool) -> 
         done.append({"name": name, "status": status, "wall_s": record["wall_s"]})
         print(json.dumps(done[-1]), file=sys.stderr, flush=True)
     return {"collected": done}
+
+
+def _prediction(entry: dict) -> dict:
+    """testbed's prediction of one entry on its target: memory (total, live peak, fits) and collectives per axis."""
+    from testbed.compiled.compare import predicted_collectives
+    from testbed.model.memory import memory_breakdown
+    from testbed.plan.io import plan_from_dict
+    from testbed.topology.compile_target import parse_target, target_topology
+
+    plan = plan_from_dict(entry["plan"])
+    topology = target_topology(parse_target(entry["target"]))
+    memory = memory_breakdown(plan, topology)
+    return {"target": entry["target"], "memory": memory.total, "live_peak": memory.live_peak,
+            "fits": memory.total <= topology.device.memory_bytes,
+            "collectives": predicted_collectives(plan, topology)}
+
+
+def predict_heldout() -> dict:
+    """The held-out plans' predictions with the date and the commit that made them (recorded before compiling)."""
+    commit = subprocess.run(["git", "rev-parse", "--short=8", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    return {"predicted_on": datetime.date.today().isoformat(), "testbed_commit": commit,
+            "command": "python benchmarks/memory_vs_xla_tpu.py --heldout --predict",
+            "plans": {e["plan"]["name"]: _prediction(e) for e in _heldout()}}
+
+
+def heldout_result() -> dict | None:
+    """The compiled held-out plans against today's predictions (``compare_all``'s summaries) and against the
+    predictions recorded before they were compiled (``before``: memory error median and max, collectives equal)."""
+    from testbed.compiled.compare import compare_all
+    from testbed.compiled.records import load_records
+
+    if not (HELDOUT / "compiled").is_dir():
+        return None
+    today = compare_all(load_records(HELDOUT / "compiled"))
+    recorded = json.loads((HELDOUT / "predicted.json").read_text())["plans"]
+    rows = [(r, recorded[r["plan"]]) for r in today["plans"] if r["plan"] in recorded]
+    errors = [abs(before["memory"] / r["xla"] - 1) for r, before in rows]
+    before = {"count": len(rows), "median_abs_error": statistics.median(errors) if errors else None,
+              "max_abs_error": max(errors, default=None),
+              "verdicts_disagree": [r["plan"] for r, b in rows if b["fits"] != r["xla_fits"]],
+              "collectives_equal": sum(b["collectives"] == r["xla_collectives"] for r, b in rows)}
+    return {"today": today["multi_chip"], "before": before, "plans": today["plans"],
+            "not_compiled": today["not_compiled"]}
 
 
 #: Markers of the generated table in a docs page (the text between them is replaced).
@@ -206,20 +292,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="CPU seconds one compile may take (default 600)")
     parser.add_argument("--wall-limit", type=float, default=3600.0,
                         help="wall seconds one compile may take (default 3600)")
+    parser.add_argument("--heldout", action="store_true", help="the held-out plans (benchmarks/xla_tpu_heldout/)")
+    parser.add_argument("--predict", action="store_true", help="record today's predictions of the held-out plans")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--table", help="write the markdown table of predicted vs XLA:TPU memory to this path")
     args = parser.parse_args(argv)
     if args.one:
-        entry = next(e for e in entries() if e["plan"]["name"] == args.one)
+        entry = next(e for e in entries() + _heldout() if e["plan"]["name"] == args.one)
         print(json.dumps(compile_one(entry)))
         return 0
     if args.collect:
-        print(json.dumps(collect(args.only, args.limit, args.wall_limit, args.again)))
+        print(json.dumps(collect(args.only, args.limit, args.wall_limit, args.again, args.heldout)))
+        return 0
+    if args.predict:
+        HELDOUT.mkdir(parents=True, exist_ok=True)
+        _write(HELDOUT / "predicted.json", predict_heldout())
+        print(json.dumps({"predicted": len(_heldout()), "file": "benchmarks/xla_tpu_heldout/predicted.json"}))
         return 0
     from testbed.compiled.compare import compare_all, markdown_table
     from testbed.compiled.records import load_records
 
     result = compare_all(load_records(DATA))
+    result["heldout"] = heldout_result()
     if args.table:
         _write_table(Path(args.table), markdown_table(result))
     print(json.dumps(result))
