@@ -119,12 +119,14 @@ class Gemm:
     score_cells: int = 0
     accumulates: bool = False
     fused_bytes: float = 0.0
+    trailing_bytes: float = 0.0
     result_on_chip: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0 or min(self.stored_lhs,
                                                                                       self.score_cells,
-                                                                                      self.fused_bytes) < 0:
+                                                                                      self.fused_bytes) < 0 \
+                or not 0 <= self.trailing_bytes <= self.fused_bytes * (1 + 1e-9):
             raise ValueError(f"a GEMM needs positive dims and a non-negative count, got {self}")
 
     @property

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from testbed.sim.price.compute import trailing_bytes, trails
 from testbed.sim.xla.workload import OpKind, Workload, element_bytes
 
 __all__ = ["MatmulFusions", "matmul_fusions"]
@@ -30,11 +31,14 @@ __all__ = ["MatmulFusions", "matmul_fusions"]
 @dataclass(frozen=True, slots=True)
 class MatmulFusions:
     """``bytes``: matmul op -> the HBM bytes of the memory-bound ops fused into it; ``fused``: those ops;
-    ``on_chip``: the matmul ops whose result only ops fused into their own kernel read (it never reaches HBM)."""
+    ``on_chip``: the matmul ops whose result only ops fused into their own kernel read (it never reaches HBM);
+    ``trailing``: matmul op -> the part of its ``bytes`` past the kernel's streams (testbed.sim.price.compute.
+    trailing_bytes of its consumers', where its products ``trails``)."""
 
     bytes: dict[int, float] = field(default_factory=dict)
     fused: frozenset[int] = frozenset()
     on_chip: frozenset[int] = frozenset()
+    trailing: dict[int, float] = field(default_factory=dict)
 
 
 def _result_bytes(workload: Workload, gemm_op: int) -> float:
@@ -65,4 +69,11 @@ def matmul_fusions(workload: Workload, segment: list[int], readers: list[list[in
         gained[gemm] = gained.get(gemm, 0.0) + nbytes
         fused.add(i)
     on_chip = frozenset(g for g in set(consumed.values()) if all(consumed.get(r) == g for r in readers[g]))
-    return MatmulFusions(gained, frozenset(fused), on_chip)
+    consumers: dict[int, float] = {}
+    for i, gemm in consumed.items():
+        consumers[gemm] = consumers.get(gemm, 0.0) + max(0.0, ops[i].hbm_bytes * ops[i].count
+                                                         - _result_bytes(workload, gemm))
+    trailing = {g: trailing_bytes(nbytes, _result_bytes(workload, g)) for g, nbytes in consumers.items()
+                if all(trails(p) for p in ops[g].gemms)}
+    return MatmulFusions(gained, frozenset(fused), on_chip, {g: b for g, b in trailing.items() if b > 0})
+
