@@ -17,7 +17,7 @@ from testbed.explore.analytic import estimate
 from testbed.model.gemm import Gemm, chunk_gemms
 from testbed.plan.io import load_plan
 from testbed.sim.price.compute import (EPILOGUE_HIDDEN, epilogue_seconds, fused_kernel_seconds, gemm_seconds,
-                                      pass_seconds, plan_matmul_dtype, systolic_share, trailing_bytes, trails)
+                                      pass_seconds, plan_matmul_dtype, systolic_share, trailing_bytes)
 from testbed.model.costs import param_count
 from testbed.sim.graph.engine import simulate
 from testbed.sim.step.grad_bytes import (ACCUMULATE_PASSES, FUSED_ACCUMULATE_PASSES, accumulated_bytes,
@@ -56,14 +56,20 @@ def test_a_fused_update_costs_what_its_pass_exceeds_the_matmuls_by() -> None:
 
 
 def test_one_rule_prices_a_fused_kernel_between_the_longer_and_the_sum() -> None:
-    """fused_kernel_seconds: the trailing work's share beside the matmul, the rest after it; a result-sized pass of
-    the consumers' rides the output stream (trailing_bytes)."""
+    """fused_kernel_seconds: the trailing work's share beside the matmul, the rest after it; two result-sized passes
+    of the consumers' (an output in the result's place, a residual's read) ride the kernel's streams (trailing_bytes)."""
     assert 0 < EPILOGUE_HIDDEN < 1
     assert fused_kernel_seconds(10.0, 2.0, 0.0) == 10.0
     assert max(10.0, 4.0) < fused_kernel_seconds(10.0, 2.0, 4.0) < 10.0 + 4.0
     assert fused_kernel_seconds(1.0, 2.0, 4.0) == pytest.approx(2.0 + 4.0)  # memory-bound: all its traffic
-    assert trailing_bytes(26, 2) == 24 and trailing_bytes(1, 2) == 0  # AdamW's state past a bf16 gradient's pass
-    assert trails(Gemm(m=1024, n=4096, k=8192)) and not trails(Gemm(m=8192, n=4096, k=1024))  # weight gradient only
+    assert trailing_bytes(26, 2) == 22 and trailing_bytes(4, 2) == 0  # AdamW's state past a bf16 gradient's passes
+    topo = load_topology("tpu-v5e-1")
+    weight_grad = Gemm(m=2048, n=2048, k=16384, result_on_chip=True)
+    result = weight_grad.m * weight_grad.n * 2
+    residual = gemm_seconds(topo, "bf16", replace(weight_grad, fused_bytes=2 * result))
+    assert residual == pytest.approx(gemm_seconds(topo, "bf16", replace(weight_grad, result_on_chip=False)), rel=0.02)
+    state = replace(weight_grad, fused_bytes=12 * result, trailing_bytes=trailing_bytes(12 * result, result))
+    assert gemm_seconds(topo, "bf16", state) > residual  # an update's further state adds past the math
 
 
 def test_both_tiers_price_the_fused_update_and_the_chip_profile_agrees() -> None:
@@ -92,21 +98,25 @@ def test_both_tiers_price_the_fused_update_and_the_chip_profile_agrees() -> None
 
 
 def test_a_fused_update_hides_the_share_both_categories_fit() -> None:
-    """EPILOGUE_HIDDEN is benchmarks/tpu_fused_update_fit.py's fit over the plans' profiled fused kernels and the users'
-    programs' steps; at it the plans' kernels are priced closer than by the longer of matmul and update, in sample,
-    left out and on the held-out proxies' kernels (benchmarks/tpu_chip/proxies/profiles.json), and the programs'
-    steps no worse than there (the traced tier's old rule)."""
+    """EPILOGUE_HIDDEN is benchmarks/tpu_fused_update_fit.py's fit over the plans' and the users' programs' profiled
+    kernels that hold an optimizer update; at it both categories' kernels are priced closer than by the longer of
+    matmul and update (the traced tier's rule before), left out too, and so are the held-out proxies' kernels
+    (benchmarks/tpu_chip/proxies/profiles.json); the programs' steps are no worse than at the longer of the two."""
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import tpu_fused_update_fit
 
     report = tpu_fused_update_fit.report()
-    assert report["matches_shipped"] and report["kernels"] >= 10 and report["programs"] >= 8, report["hidden"]
-    plans, programs, proxies = (report["summary"][c] for c in ("plans", "programs", "held_out_proxies"))
-    assert plans["fit"]["median_abs"] < plans["leave_one_out"]["median_abs"] < plans["longer_of_the_two"]["median_abs"]
+    assert report["matches_shipped"] and report["kernels"]["plans"] >= 10 and report["kernels"]["programs"] >= 6
+    assert len(report["programs"]) >= 3, report["programs"]
+    summary = report["summary"]
+    for category in ("plans", "programs"):
+        errors = summary[category]
+        assert errors["leave_one_out"]["median_abs"] < errors["longer_of_the_two"]["median_abs"], category
+    proxies, steps = summary["held_out_proxies"], summary["program_steps"]
     assert proxies["fit"]["median_abs"] < proxies["longer_of_the_two"]["median_abs"]
-    assert programs["leave_one_out"]["median_abs"] <= programs["longer_of_the_two"]["median_abs"]
+    assert steps["fit"]["median_abs"] <= steps["longer_of_the_two"]["median_abs"]
 
 
 def test_the_accumulation_fuses_into_the_gradient_matmuls_as_the_chip_compiles_it() -> None:

@@ -100,8 +100,9 @@ class Gemm:
     into the step's accumulator inside its own kernel (testbed.sim.step.grad_bytes.accumulating_gemms): the kernel reads
     the ``m x n`` accumulator too and writes the sum in place of the gradient; ``fused_bytes``: HBM bytes per
     product of the memory-bound ops the compiler runs in the product's kernel (a traced program's,
-    testbed.sim.xla.matmul_fusion); ``result_on_chip``: only those ops read its result, which never reaches HBM. All
-    three are priced by one rule, testbed.sim.price.compute.epilogue_bytes.
+    testbed.sim.xla.matmul_fusion); ``trailing_bytes``: the part of ``fused_bytes`` past the kernel's streams
+    (testbed.sim.price.compute.trailing_bytes); ``result_on_chip``: only those ops read its result, which never
+    reaches HBM. All are priced by one rule, testbed.sim.price.compute.fused_kernel_seconds.
     """
 
     m: int

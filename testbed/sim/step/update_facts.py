@@ -83,7 +83,7 @@ def stage_update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, comb
         regather_bytes = moved_elements(plan, s, None, "optimizer") / plan.mesh.fsdp * param_b / regathers
     per_param = update_bytes(plan, param_b, grad_b)
     matrices = fused_update(plan, s, routed=False) if fused_updates else 0  # routed experts' updates add whole
-    trailing = trailing_bytes(per_param - grad_b, grad_b)  # the gradient read on chip, a pass in its result's place
+    trailing = trailing_bytes(per_param - grad_b, grad_b)  # its gradient read on chip, two passes its size ride
     return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
                        hbm_bytes=shard * per_param - matrices * (per_param - trailing),
                        regathers=regathers, regather_bytes=regather_bytes,
