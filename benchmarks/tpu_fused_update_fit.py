@@ -135,8 +135,9 @@ class ProgramKernel:
 
         elements = self.gemm.m * self.gemm.n * self.gemm.batch
         state = 2.0 * self.states * self.state_b * elements
+        trailing = trailing_bytes(state, self.state_b * elements)
         return gemm_seconds(topology, self.dtype, replace(self.gemm, count=1.0, fused_bytes=state, result_on_chip=True,
-                                                          trailing_bytes=trailing_bytes(state, self.state_b * elements)))
+                                                          trailing_bytes=trailing))
 
 
 _STATES = re.compile(r"%\S+ = \((.*?)\) fusion\(")
@@ -150,7 +151,8 @@ def _update_outputs(op: dict) -> tuple[str, tuple[int, ...], int] | None:
     if not match or "convolution" not in op["body"] or not {"sqrt", "subtract"} & set(op["body"]):
         return None
     outputs = _TENSOR.findall(match.group(1))
-    if len(outputs) < 2 or len(set(outputs)) != 1 or len(outputs) != match.group(1).count("[") - match.group(1).count("[]"):
+    scalars = match.group(1).count("[]")
+    if len(outputs) < 2 or len(set(outputs)) != 1 or len(outputs) != match.group(1).count("[") - scalars:
         return None
     return outputs[0][0], tuple(int(v) for v in outputs[0][1].split(",")), len(outputs)
 
@@ -179,8 +181,9 @@ def programs(topology) -> tuple[list[ProgramKernel], dict[str, tuple[object, flo
             gemms = [g for o in workload.ops if o.kind is OpKind.GEMM for g in o.gemms
                      if g.m * g.n * g.batch == math.prod(shape)]  # the weight gradient: the weight's elements
             if gemms:
-                out.append(ProgramKernel(name, shape, len(times), statistics.median(times), max(gemms, key=lambda g: g.k),
-                                         states, 4 if dtype == "f32" else 2, matmul_dtype(topology, workload.dtype)))
+                gemm = max(gemms, key=lambda g: g.k)
+                out.append(ProgramKernel(name, shape, len(times), statistics.median(times), gemm, states,
+                                         4 if dtype == "f32" else 2, matmul_dtype(topology, workload.dtype)))
     return out, steps
 
 

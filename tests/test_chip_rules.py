@@ -57,7 +57,8 @@ def test_a_fused_update_costs_what_its_pass_exceeds_the_matmuls_by() -> None:
 
 def test_one_rule_prices_a_fused_kernel_between_the_longer_and_the_sum() -> None:
     """fused_kernel_seconds: the trailing work's share beside the matmul, the rest after it; two result-sized passes
-    of the consumers' (an output in the result's place, a residual's read) ride the kernel's streams (trailing_bytes)."""
+    of the consumers' (an output in the result's place, a residual's read) ride the kernel's streams
+    (trailing_bytes)."""
     assert 0 < EPILOGUE_HIDDEN < 1
     assert fused_kernel_seconds(10.0, 2.0, 0.0) == 10.0
     assert max(10.0, 4.0) < fused_kernel_seconds(10.0, 2.0, 4.0) < 10.0 + 4.0

@@ -64,7 +64,8 @@ from testbed.topology.parts import matmul_dtype
 from testbed.topology.calibration import ComputeCalibration
 
 __all__ = ["compute_seconds", "plan_matmul_dtype", "rate_dtype", "FP32_BF16_PASS", "pass_seconds", "epilogue_seconds",
-           "EPILOGUE_HIDDEN", "fused_kernel_seconds", "trailing_bytes", "systolic_share", "epilogue_bytes", "with_epilogue", "gemm_efficiency", "gemm_seconds", "gemms_seconds",
+           "EPILOGUE_HIDDEN", "fused_kernel_seconds", "trailing_bytes", "systolic_share", "epilogue_bytes",
+           "with_epilogue", "gemm_efficiency", "gemm_seconds", "gemms_seconds",
            "fit_shape_model", "GEMM_OPERAND_BYTES", "FP8_BLOCK_SCALED_SHARE", "fp8_cast_bytes"]
 
 #: The share of the fp8 cap a block-scaled fp8 GEMM reaches (``runtime.fp8_scaling`` ``blockwise``: 1 x 128

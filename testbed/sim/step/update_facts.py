@@ -37,8 +37,8 @@ class StageUpdate:
     regather_bytes: float
     #: Where the compiler runs each weight matrix's update in its gradient matmul's epilogue (:func:`fused_update`):
     #: those matmuls' FLOPs on the device, and the part of ``hbm_bytes`` past the kernels' streams
-    #: (testbed.sim.price.compute.trailing_bytes; the gradient's read and a pass in its place are not in
-    #: ``hbm_bytes``), priced by testbed.sim.price.compute.fused_kernel_seconds (0: none).
+    #: (testbed.sim.price.compute.trailing_bytes; the gradient's read and the two passes its size that ride the
+    #: kernel's streams are not in ``hbm_bytes``), priced by testbed.sim.price.compute.fused_kernel_seconds (0: none).
     fused_flops: float = 0.0
     fused_bytes: float = 0.0
 
