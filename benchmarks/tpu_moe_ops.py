@@ -23,7 +23,8 @@ testbed.model.gemm.FUSED_UPDATE_KERNEL, testbed.sim.price.grouped_kernels.RATES)
 kernel priced as its matmul at that rate and then the update's whole pass (testbed.sim.step.update_facts.fused_update:
 none of a routed expert's update hides): least squares of the relative error of every profiled plan's expert
 weight-gradient kernels (the median kernel per shape), on a grid of 0.01; leave-one-plan-out refits likewise. Beside
-it the same fit with the dense matrices' rule (testbed.sim.step.update_facts.FUSED_UPDATE_HIDDEN of the pass hides),
+it the same fit with the dense matrices' rule (testbed.sim.price.compute.fused_kernel_seconds: the gradient's read and a
+pass in its place on chip, testbed.sim.price.compute.EPILOGUE_HIDDEN of the rest beside the matmul),
 which fits the MoE kernels worse. It prints ONE JSON object: the kinds per plan, both fits with in-sample and
 leave-one-plan-out errors per kernel, the MoE plans' step and memory errors today, and whether the shipped rate is the
 fit's (exit 1 if not).
@@ -136,14 +137,15 @@ class Kernel:
     matmul_s: float  #: the weight gradient at the dense matmul rate
     matmul_flops: float
     update_bytes: float
-    hidden_bytes: float
+    trailing_bytes: float  #: the update's pass past the kernel's streams (testbed.sim.price.compute.trailing_bytes)
 
     def priced(self, topology, rate: float, hides: bool = False) -> float:
         """The kernel at ``rate``: its matmul, then the update's whole pass (testbed's rule for the routed experts,
         testbed.sim.step.update_facts.fused_update), or with ``hides`` less what the dense matrices' rule hides."""
         from testbed.sim.price.compute import epilogue_seconds, pass_seconds
 
-        hidden = epilogue_seconds(topology, "bf16", self.matmul_flops, self.hidden_bytes) if hides else 0.0
+        hidden = (pass_seconds(topology, self.update_bytes - self.trailing_bytes)
+                  + epilogue_seconds(topology, "bf16", self.matmul_flops, self.trailing_bytes)) if hides else 0.0
         return self.matmul_s / rate + pass_seconds(topology, self.update_bytes) - hidden
 
 
@@ -154,7 +156,8 @@ def kernels(topology) -> list[Kernel]:
     from testbed.model.memory import state_bytes_per_param
     from testbed.plan.io import load_plan
     from testbed.sim.price.compute import gemm_seconds, plan_matmul_dtype
-    from testbed.sim.step.update_facts import hidden_update_bytes, update_bytes
+    from testbed.sim.price.compute import trailing_bytes
+    from testbed.sim.step.update_facts import update_bytes
 
     out = []
     for name, path, _, profile in _plans():
@@ -172,7 +175,8 @@ def kernels(topology) -> list[Kernel]:
             gemm = Gemm(m=shape[1], n=shape[2], k=rows, batch=experts)
             elements = math.prod(shape)
             out.append(Kernel(name, shape, len(times), statistics.median(times), gemm_seconds(topology, dtype, gemm),
-                              gemm.flops, elements * per_param, elements * hidden_update_bytes(per_param, grad_b)))
+                              gemm.flops, elements * per_param,
+                              elements * trailing_bytes(per_param - grad_b, grad_b)))
     return out
 
 

@@ -16,13 +16,14 @@ from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.model.gemm import Gemm, chunk_gemms
 from testbed.plan.io import load_plan
-from testbed.sim.price.compute import epilogue_seconds, gemm_seconds, pass_seconds, plan_matmul_dtype, systolic_share
+from testbed.sim.price.compute import (EPILOGUE_HIDDEN, epilogue_seconds, fused_kernel_seconds, gemm_seconds,
+                                      pass_seconds, plan_matmul_dtype, systolic_share, trailing_bytes)
 from testbed.model.costs import param_count
 from testbed.sim.graph.engine import simulate
 from testbed.sim.step.grad_bytes import (ACCUMULATE_PASSES, FUSED_ACCUMULATE_PASSES, accumulated_bytes,
                                      accumulated_elements, accumulating_gemms)
 from testbed.sim.graph.pricing import price
-from testbed.sim.step.update_facts import fused_update, hidden_update_bytes
+from testbed.sim.step.update_facts import fused_update
 from testbed.topology.io import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,9 +49,28 @@ def test_the_update_fuses_only_where_nothing_sums_the_gradient() -> None:
 def test_a_fused_update_costs_what_its_pass_exceeds_the_matmuls_by() -> None:
     topo = load_topology("tpu-v5e-1")
     assert epilogue_seconds(topo, "bf16", 0.0, 1e9) == 0.0
-    assert epilogue_seconds(topo, "bf16", 1e15, 1e9) == pytest.approx(pass_seconds(topo, 1e9))  # hidden whole
+    hidden = EPILOGUE_HIDDEN * pass_seconds(topo, 1e9)
+    assert epilogue_seconds(topo, "bf16", 1e15, 1e9) == pytest.approx(hidden)  # its share beside the math
     rate = topo.device.sustained_flops("bf16") * topo.calibration.compute.cap("bf16")
     assert epilogue_seconds(topo, "bf16", 1e9, 1e12) == pytest.approx(1e9 / rate)  # the matmuls' share only
+
+
+def test_one_rule_prices_a_fused_kernel_between_the_longer_and_the_sum() -> None:
+    """fused_kernel_seconds: the trailing work's share beside the matmul, the rest after it; two result-sized passes
+    of the consumers' (an output in the result's place, a residual's read) ride the kernel's streams
+    (trailing_bytes)."""
+    assert 0 < EPILOGUE_HIDDEN < 1
+    assert fused_kernel_seconds(10.0, 2.0, 0.0) == 10.0
+    assert max(10.0, 4.0) < fused_kernel_seconds(10.0, 2.0, 4.0) < 10.0 + 4.0
+    assert fused_kernel_seconds(1.0, 2.0, 4.0) == pytest.approx(2.0 + 4.0)  # memory-bound: all its traffic
+    assert trailing_bytes(26, 2) == 22 and trailing_bytes(4, 2) == 0  # AdamW's state past a bf16 gradient's passes
+    topo = load_topology("tpu-v5e-1")
+    weight_grad = Gemm(m=2048, n=2048, k=16384, result_on_chip=True)
+    result = weight_grad.m * weight_grad.n * 2
+    residual = gemm_seconds(topo, "bf16", replace(weight_grad, fused_bytes=2 * result))
+    assert residual == pytest.approx(gemm_seconds(topo, "bf16", replace(weight_grad, result_on_chip=False)), rel=0.02)
+    state = replace(weight_grad, fused_bytes=12 * result, trailing_bytes=trailing_bytes(12 * result, result))
+    assert gemm_seconds(topo, "bf16", state) > residual  # an update's further state adds past the math
 
 
 def test_both_tiers_price_the_fused_update_and_the_chip_profile_agrees() -> None:
@@ -78,21 +98,26 @@ def test_both_tiers_price_the_fused_update_and_the_chip_profile_agrees() -> None
     assert len(ratios) == 6 and statistics.median(ratios.values()) == pytest.approx(1.0, rel=0.15), ratios
 
 
-def test_a_fused_update_hides_the_share_its_kernels_fit() -> None:
-    """FUSED_UPDATE_HIDDEN is benchmarks/tpu_fused_update_fit.py's fit over the suite's profiled fused kernels; at
-    it the kernels are priced closer than by the longer of matmul and update, in sample and on the held-out
-    proxies' kernels (benchmarks/tpu_chip/proxies/profiles.json)."""
+def test_a_fused_update_hides_the_share_both_categories_fit() -> None:
+    """EPILOGUE_HIDDEN is benchmarks/tpu_fused_update_fit.py's fit over the plans' and the users' programs' profiled
+    kernels that hold an optimizer update; at it both categories' kernels are priced closer than by the longer of
+    matmul and update (the traced tier's rule before), left out too, and so are the held-out proxies' kernels
+    (benchmarks/tpu_chip/proxies/profiles.json); the programs' steps are no worse than at the longer of the two."""
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import tpu_fused_update_fit
 
     report = tpu_fused_update_fit.report()
-    assert report["matches_shipped"] and report["kernels"] >= 10, report["hidden"]
+    assert report["matches_shipped"] and report["kernels"]["plans"] >= 10 and report["kernels"]["programs"] >= 6
+    assert len(report["programs"]) >= 3, report["programs"]
     summary = report["summary"]
-    assert summary["fit"]["median_abs"] < summary["longer_of_the_two"]["median_abs"]
-    assert summary["held_out_proxies"]["median_abs"] < summary["held_out_proxies_longer_of_the_two"]["median_abs"]
-    assert 0 < hidden_update_bytes(28, 2) - 2 < 26  # the gradient's read hides, and part of the rest
+    for category in ("plans", "programs"):
+        errors = summary[category]
+        assert errors["leave_one_out"]["median_abs"] < errors["longer_of_the_two"]["median_abs"], category
+    proxies, steps = summary["held_out_proxies"], summary["program_steps"]
+    assert proxies["fit"]["median_abs"] < proxies["longer_of_the_two"]["median_abs"]
+    assert steps["fit"]["median_abs"] <= steps["longer_of_the_two"]["median_abs"]
 
 
 def test_the_accumulation_fuses_into_the_gradient_matmuls_as_the_chip_compiles_it() -> None:

@@ -27,6 +27,7 @@ from testbed.model.memory import state_bytes_per_param
 from testbed.plan.stages import chunk_counts
 from testbed.plan.spec import Axis, Plan, Remat
 from testbed.sim.step.action_work import action_work
+from testbed.sim.step.chunk_facts import MATMULS_PER_LAYER
 from testbed.sim.price.compute import compute_seconds
 from testbed.sim.xla.xla_tpu import narrows_gathers, sequence_gather_bytes
 from testbed.sim.step.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms, cached_order
@@ -319,7 +320,7 @@ def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkG
     by FLOPs, at an efficiency no piece's exceeds: one kernel's is the highest; its memory pass no longer than
     theirs, its one launch no more than their several) and :func:`_all_to_all_floor`."""
     remat = plan.remat
-    kernels = max(1, 4 * cost.layers)
+    kernels = max(1, MATMULS_PER_LAYER * cost.layers)  # the estimate's count (chunk_facts): no more, so no slower
     # the loss's maximum at its fewest bytes (the logits' dtype, as a compiler reducing natively moves it): a bound
     narrow = sequence_gather_bytes(plan, cost.tensor_allreduce_bytes, narrows_gathers(topology))  # as the estimate
     flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat, float(plan.precision.compute_bytes),

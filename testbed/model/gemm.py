@@ -100,8 +100,9 @@ class Gemm:
     into the step's accumulator inside its own kernel (testbed.sim.step.grad_bytes.accumulating_gemms): the kernel reads
     the ``m x n`` accumulator too and writes the sum in place of the gradient; ``fused_bytes``: HBM bytes per
     product of the memory-bound ops the compiler runs in the product's kernel (a traced program's,
-    testbed.sim.xla.matmul_fusion); ``result_on_chip``: only those ops read its result, which never reaches HBM. All
-    three are priced by one rule, testbed.sim.price.compute.epilogue_bytes.
+    testbed.sim.xla.matmul_fusion); ``trailing_bytes``: the part of ``fused_bytes`` past the kernel's streams
+    (testbed.sim.price.compute.trailing_bytes); ``result_on_chip``: only those ops read its result, which never
+    reaches HBM. All are priced by one rule, testbed.sim.price.compute.fused_kernel_seconds.
     """
 
     m: int
@@ -119,12 +120,14 @@ class Gemm:
     score_cells: int = 0
     accumulates: bool = False
     fused_bytes: float = 0.0
+    trailing_bytes: float = 0.0
     result_on_chip: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0 or min(self.stored_lhs,
                                                                                       self.score_cells,
-                                                                                      self.fused_bytes) < 0:
+                                                                                      self.fused_bytes) < 0 \
+                or not 0 <= self.trailing_bytes <= self.fused_bytes * (1 + 1e-9):
             raise ValueError(f"a GEMM needs positive dims and a non-negative count, got {self}")
 
     @property

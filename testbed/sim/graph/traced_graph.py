@@ -218,9 +218,10 @@ def _fused_kernels(b: Builder, workload: Workload, segment: list[int], readers: 
         op = workload.ops[i]
         gemms = tuple(g if op.count == 1 else repeat_gemm(g, op.count) for g in op.gemms)
         fused = fusions.bytes.get(i, 0.0)
+        gemms = with_epilogue(gemms, fused, i in fusions.on_chip, fusions.trailing.get(i, 0.0))
         tasks.append(b.add(name=op.name, device=rep, stream="compute", kind=TaskKind.COMPUTE,
                            deps=tuple(tasks[-1:]) or deps, flops=op.flops * op.count, kernels=op.count,
-                           gemms=with_epilogue(gemms, fused, i in fusions.on_chip), hbm_bytes=0.0 if gemms else fused))
+                           gemms=gemms, hbm_bytes=0.0 if gemms else fused))
     left = sum(workload.ops[i].hbm_bytes * workload.ops[i].count for i in segment
                if workload.ops[i].kind is OpKind.MEMORY and i not in fusions.fused)
     return tasks, left

@@ -64,7 +64,8 @@ from testbed.topology.parts import matmul_dtype
 from testbed.topology.calibration import ComputeCalibration
 
 __all__ = ["compute_seconds", "plan_matmul_dtype", "rate_dtype", "FP32_BF16_PASS", "pass_seconds", "epilogue_seconds",
-           "systolic_share", "epilogue_bytes", "with_epilogue", "gemm_efficiency", "gemm_seconds", "gemms_seconds",
+           "EPILOGUE_HIDDEN", "fused_kernel_seconds", "trailing_bytes", "systolic_share", "epilogue_bytes",
+           "with_epilogue", "gemm_efficiency", "gemm_seconds", "gemms_seconds",
            "fit_shape_model", "GEMM_OPERAND_BYTES", "FP8_BLOCK_SCALED_SHARE", "fp8_cast_bytes"]
 
 #: The share of the fp8 cap a block-scaled fp8 GEMM reaches (``runtime.fp8_scaling`` ``blockwise``: 1 x 128
@@ -82,6 +83,15 @@ FP8_BLOCK_SCALED_SHARE = 0.892
 #: chip's profiles (benchmarks/tpu_chip/profiles.json): the 125M fp32 step's attention products, bound by their
 #: operands' bytes, take 1.8-2.0x their bf16 twins'.
 FP32_BF16_PASS = "fp32-bf16-pass"
+#: The share of a fused kernel's trailing work (:func:`trailing_bytes`: past its operand and output streams, an
+#: optimizer update's further state) whose pass runs beside the matmul (:func:`fused_kernel_seconds`; 1: the longer
+#: of the two, 0: their sum). One value for both tiers, fitted by benchmarks/tpu_fused_update_fit.py over both
+#: categories of the v5e chip's per-op profiles, the kernels holding an optimizer update: the plans' (benchmarks/
+#: tpu_chip/profiles.json, 12 kernel shapes of 6 plans, AdamW: median error 9.6%, leave-one-plan-out 12.3%; 28.2%
+#: at 1) and the users' programs' (benchmarks/tpu_chip/programs.json, 10 of 3 programs, SGD with momentum, Adam,
+#: AdamW: median 7.4%, leave-one-program-out 7.5%; 15.0% at 1). The routed experts' grouped kernels take their
+#: update's whole pass after the matmul (testbed.sim.step.update_facts.fused_update).
+EPILOGUE_HIDDEN = 0.16
 #: Bytes per (input, output) value of a GEMM, by compute dtype (fp8 GEMMs read fp8 operands and write bf16).
 GEMM_OPERAND_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "fp8": (1, 2), FP32_BF16_PASS: (4, 4)}
 
@@ -158,15 +168,34 @@ def host_devices(topology: Topology) -> int:
     return topology.levels[0].size if topology.levels else topology.num_devices
 
 
+def fused_kernel_seconds(math_s: float, own_s: float, epilogue_s: float) -> float:
+    """Seconds of one matmul kernel with memory-bound work fused into it (XLA:TPU's output fusions, the one rule both
+    tiers price such a kernel by): ``math_s`` of math, ``own_s`` of the matmul's own HBM traffic (its operands and
+    result, an accumulator it adds into), ``epilogue_s`` of the fused work's own pass. :data:`EPILOGUE_HIDDEN` of
+    that pass runs beside the matmul, which takes the longer of its math and its traffic; the rest after it."""
+    return max(math_s, own_s + EPILOGUE_HIDDEN * epilogue_s) + (1.0 - EPILOGUE_HIDDEN) * epilogue_s
+
+
+def trailing_bytes(consumer_bytes: float, result_bytes: float) -> float:
+    """Of ``consumer_bytes`` (HBM bytes of the work fused into a matmul as its consumers, less the result they read),
+    those past the kernel's streams, the epilogue :func:`fused_kernel_seconds` prices: two passes the size of the
+    matmul's result (``result_bytes``) ride the output tiles as the matmul's own traffic, the consumers' output written
+    in the result's place and one read of a tensor of its shape (a residual, as the accumulator a weight gradient adds
+    into rides it: :func:`epilogue_bytes`); the rest trails (an optimizer update's further state, read and written per
+    weight element). The producers' bytes stream in with the operands."""
+    return max(0.0, consumer_bytes - 2.0 * result_bytes)
+
+
 def epilogue_seconds(topology: Topology, dtype: str, flops: float, nbytes: float) -> float:
-    """Seconds of a memory pass of ``nbytes`` that runs under matmuls of ``flops`` (priced elsewhere) as their
-    epilogue: the part of the pass's own time the pair does not add, the shorter of the two (the matmuls at the
-    calibrated cap). 0 without matmuls."""
+    """Seconds of a memory pass of ``nbytes`` that runs as the epilogue of matmuls of ``flops`` priced elsewhere
+    (their own traffic under their math, the matmuls at the calibrated cap) which their kernel does not add: the
+    pass less what :func:`fused_kernel_seconds` adds to the math. 0 without matmuls."""
     if flops <= 0 or nbytes <= 0:
         return 0.0
     dtype = rate_dtype(dtype)
-    rate = topology.device.sustained_flops(dtype) * topology.calibration.compute.cap(dtype)
-    return min(pass_seconds(topology, nbytes), flops / rate)
+    math_s = flops / (topology.device.sustained_flops(dtype) * topology.calibration.compute.cap(dtype))
+    epilogue_s = pass_seconds(topology, nbytes)
+    return epilogue_s - (fused_kernel_seconds(math_s, 0.0, epilogue_s) - math_s)
 
 
 def pass_seconds(topology: Topology, nbytes: float) -> float:
@@ -222,7 +251,7 @@ def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts:
         return 0.0
     key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention, gemm.amax_pass,
            gemm.grouped, gemm.block_scaled, gemm.high_precision, gemm.stored_lhs, gemm.score_cells, gemm.accumulates,
-           gemm.fused_bytes, gemm.result_on_chip)
+           gemm.fused_bytes, gemm.trailing_bytes, gemm.result_on_chip)
     one = memo.get(key)
     if one is None:
         one = memo[key] = _one_product_seconds(topology, dtype, replace(gemm, count=1.0), casts)
@@ -253,24 +282,24 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
         # bf16 under Transformer Engine's fp8 recipe too (its DotProductAttention is bf16 unless fp8
         # attention is asked for); so does a product the fp8 recipe leaves out (the LM head, gemm.high_precision)
         dtype, (read, write) = "bf16", GEMM_OPERAND_BYTES["bf16"]
-    one, fused = gemm.flops, epilogue_bytes(gemm, write)
+    one, (own, beyond) = gemm.flops, _epilogue_split(gemm, write)
+    fused = pass_seconds(topology, beyond)  # the fused work past the kernel's output stream (fused_kernel_seconds)
     named = kernel_efficiency(topology.device.name, gemm.attention) if gemm.flash and gemm.attention else None
     if named is not None:  # the stack's kernel at its published speed, over the products it computes
         eff, work = named
         math = one * work / (topology.device.sustained_flops(dtype) * eff)
-        return cal.compute.gemm_latency_s + max(math, pass_seconds(topology, fused))
+        return cal.compute.gemm_latency_s + fused_kernel_seconds(math, pass_seconds(topology, own), fused)
     if gemm.flash:  # fused: the scores stay on chip, so no operand roofline; the kernel's own efficiency
         eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm, dtype)
         math = one * runner_kernel_work(topology, gemm) / (topology.device.sustained_flops(dtype) * eff
                                                            * systolic_share(topology.device.systolic_width, gemm))
-        return cal.compute.gemm_latency_s + max(math, pass_seconds(topology, fused))
+        return cal.compute.gemm_latency_s + fused_kernel_seconds(math, pass_seconds(topology, own), fused)
     rate = grouped_rate(topology.device.name, gemm.grouped)  # a grouped-matmul kernel's (1: the dense matmul)
     math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype) * rate)
     operands = gemm.batch * ((gemm.lhs_elements + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
-    operands += fused - on_chip_bytes(topology.device, gemm, read, write)
-    memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
+    operands += own - on_chip_bytes(topology.device, gemm, read, write)
     cast = pass_seconds(topology, fp8_cast_bytes(gemm)) if dtype == "fp8" and casts else 0.0
-    return cal.compute.gemm_latency_s + max(math, memory) + cast
+    return cal.compute.gemm_latency_s + fused_kernel_seconds(math, pass_seconds(topology, operands), fused) + cast
 
 
 def epilogue_bytes(gemm: Gemm, write: int) -> float:
@@ -278,20 +307,30 @@ def epilogue_bytes(gemm: Gemm, write: int) -> float:
     the elementwise producers and consumers of a traced program's matmul), beyond its operands and its result
     (``write`` bytes an element): the accumulator a weight gradient that ``accumulates`` reads to add into (its
     write is the product's own result), the fused ops' ``fused_bytes`` (testbed.sim.xla.matmul_fusion), less the
-    result where only those ops read it (``result_on_chip``). Both tiers price such a kernel by this one rule: the
-    longer of its math and all its bytes (the chip's per-op profiles, benchmarks/tpu_chip/profiles.json and
-    programs.json: one fusion holding the convolution)."""
+    result where only those ops read it (``result_on_chip``). Both tiers price such a kernel by one rule,
+    :func:`fused_kernel_seconds` (the chip's per-op profiles, benchmarks/tpu_chip/profiles.json and programs.json: one
+    fusion holding the convolution)."""
     result = gemm.batch * gemm.m * gemm.n * write
     return (result if gemm.accumulates else 0.0) + gemm.fused_bytes - (result if gemm.result_on_chip else 0.0)
 
 
-def with_epilogue(gemms: Sequence[Gemm], nbytes: float, result_on_chip: bool = False) -> tuple[Gemm, ...]:
+def _epilogue_split(gemm: Gemm, write: int) -> tuple[float, float]:
+    """:func:`epilogue_bytes` of one product as (the kernel's own traffic, the fused work's past its operand and
+    output streams: ``gemm.trailing_bytes``), the two sides :func:`fused_kernel_seconds` prices."""
+    return epilogue_bytes(gemm, write) - gemm.trailing_bytes, gemm.trailing_bytes
+
+
+def with_epilogue(gemms: Sequence[Gemm], nbytes: float, result_on_chip: bool = False,
+                  trailing: float = 0.0) -> tuple[Gemm, ...]:
     """``gemms`` with ``nbytes`` of memory-bound work fused into their kernels, spread evenly over their products
-    (each product's ``fused_bytes``), their results on chip where only that work reads them (:func:`epilogue_bytes`)."""
+    (each product's ``fused_bytes``; ``trailing`` of them past the kernel's streams, ``trailing_bytes``), their
+    results on chip where only that work reads them (:func:`epilogue_bytes`)."""
     products = sum(g.count for g in gemms)
     if (nbytes <= 0 and not result_on_chip) or products <= 0:
         return tuple(gemms)
-    return tuple(replace(g, fused_bytes=g.fused_bytes + max(0.0, nbytes) / products, result_on_chip=result_on_chip)
+    nbytes, trailing = max(0.0, nbytes), min(max(0.0, trailing), max(0.0, nbytes))
+    return tuple(replace(g, fused_bytes=g.fused_bytes + nbytes / products,
+                         trailing_bytes=g.trailing_bytes + trailing / products, result_on_chip=result_on_chip)
                  for g in gemms)
 
 

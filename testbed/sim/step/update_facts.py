@@ -15,12 +15,11 @@ from testbed.model.param_spec import Part
 from testbed.model.leaves import moved_elements, parameter_collectives
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.sharding import reduction_axes, state_sharding
-from testbed.sim.price.compute import compute_seconds
+from testbed.sim.price.compute import compute_seconds, trailing_bytes
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.step.grad_bytes import sequence_apart, sequence_replicated, summed_each_microbatch
 
 __all__ = ["OPTIMIZER_FLOPS_PER_PARAM", "StageUpdate", "Reduction", "stage_update", "fused_update", "update_seconds",
-           "FUSED_UPDATE_HIDDEN", "hidden_update_bytes",
            "update_bytes", "parameter_reductions"]
 
 #: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
@@ -37,8 +36,9 @@ class StageUpdate:
     regathers: int
     regather_bytes: float
     #: Where the compiler runs each weight matrix's update in its gradient matmul's epilogue (:func:`fused_update`):
-    #: those matmuls' FLOPs on the device, and the part of ``hbm_bytes`` that hides under them
-    #: (:func:`hidden_update_bytes`; 0: none).
+    #: those matmuls' FLOPs on the device, and the part of ``hbm_bytes`` past the kernels' streams
+    #: (testbed.sim.price.compute.trailing_bytes; the gradient's read and the two passes its size that ride the
+    #: kernel's streams are not in ``hbm_bytes``), priced by testbed.sim.price.compute.fused_kernel_seconds (0: none).
     fused_flops: float = 0.0
     fused_bytes: float = 0.0
 
@@ -83,24 +83,12 @@ def stage_update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, comb
         regather_bytes = moved_elements(plan, s, None, "optimizer") / plan.mesh.fsdp * param_b / regathers
     per_param = update_bytes(plan, param_b, grad_b)
     matrices = fused_update(plan, s, routed=False) if fused_updates else 0  # routed experts' updates add whole
-    return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard, hbm_bytes=shard * per_param,
+    trailing = trailing_bytes(per_param - grad_b, grad_b)  # its gradient read on chip, two passes its size ride
+    return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
+                       hbm_bytes=shard * per_param - matrices * (per_param - trailing),
                        regathers=regathers, regather_bytes=regather_bytes,
                        fused_flops=2.0 * plan.batch.global_batch * plan.model.seq_len * matrices,
-                       fused_bytes=matrices * hidden_update_bytes(per_param, grad_b))
-
-
-#: The share of a fused update's own pass (past the gradient's read) that hides under its weight-gradient matmul:
-#: fitted over the layers' fused kernels of the chip's per-op profiles (benchmarks/tpu_chip/profiles.json, 6 plans;
-#: each kernel's time against its matmul priced alone plus the update's pass, tests/test_chip_rules.py, which
-#: prints the per-kernel errors and the leave-one-plan-out fit). 1 would be the longer of the two, 0 their sum.
-FUSED_UPDATE_HIDDEN = 0.29
-
-
-def hidden_update_bytes(per_param: float, grad_b: float) -> float:
-    """Bytes per parameter of a fused update (``per_param``, :func:`update_bytes`) that hide under the weight-gradient
-    matmul it is fused into, at most that matmul's time (testbed.sim.price.compute.epilogue_seconds): the gradient's
-    read (the update takes it from the matmul's result on chip) and :data:`FUSED_UPDATE_HIDDEN` of the rest."""
-    return grad_b + FUSED_UPDATE_HIDDEN * (per_param - grad_b)
+                       fused_bytes=matrices * trailing)
 
 
 def fused_update(plan: Plan, s: int, routed: bool = True) -> int:
@@ -111,8 +99,8 @@ def fused_update(plan: Plan, s: int, routed: bool = True) -> int:
     token table (its gradient a scatter), the norms and an accumulated (the loop's sum) or reduced gradient are
     updated apart. ``routed`` False leaves the routed experts' stacked matrices out: their kernels (batched over the
     experts) fuse the update too, but take its whole pass after their matmul (none of it hides: benchmarks/
-    tpu_moe_ops.py, against :data:`FUSED_UPDATE_HIDDEN` of it, over the chip's MoE profiles), so only the others'
-    updates hide under their matmuls (:func:`stage_update`)."""
+    tpu_moe_ops.py, against testbed.sim.price.compute.EPILOGUE_HIDDEN of it, over the chip's MoE profiles), so only the
+    others' updates hide under their matmuls (:func:`stage_update`)."""
     if not xla_tpu.updates_in_epilogue(plan):
         return 0
     held = layout.chunk_params(plan.model, s, 0, 1)
@@ -122,9 +110,10 @@ def fused_update(plan: Plan, s: int, routed: bool = True) -> int:
 
 def update_seconds(topology, dtype: str, update: StageUpdate) -> float:
     """Seconds of a stage's optimizer update past its gradients' matmuls: its roofline, less the part that hides
-    under the weight-gradient matmuls it is fused into (:func:`fused_update`, :func:`hidden_update_bytes`): the
-    chip's fused kernels take their matmul's time plus most of the update's pass, not the longer of the two
-    (benchmarks/tpu_chip/profiles.json). Both tiers price the update here."""
+    under the weight-gradient matmuls it is fused into (:func:`fused_update`; testbed.sim.price.compute.
+    fused_kernel_seconds, the rule a traced program's fused kernels are priced by too): the chip's fused kernels take
+    their matmul's time plus most of the update's pass, not the longer of the two (benchmarks/tpu_chip/
+    profiles.json). Both tiers price the update here."""
     return compute_seconds(topology, dtype, update.flops, update.hbm_bytes, 1,
                            epilogue=(update.fused_flops, update.fused_bytes))
 

@@ -3,9 +3,11 @@
 XLA:TPU fuses a matmul's elementwise producers and consumers into its convolution fusion: on the chip's per-op
 profiles of users' programs (benchmarks/tpu_chip/programs.json) 85-98% of a step's XLA time is in fusions whose
 body holds the convolution, with the bias adds, activations, norms' scalings and SGD/Adam updates beside it, and
-the memory-bound fusions left on their own take 1-13%. Such a kernel takes the longer of its math and all its HBM
-traffic, its operands and result with what is fused into it (testbed.sim.price.compute.epilogue_bytes, the rule that
-prices a plan's accumulating weight gradients too); the value a fused consumer reads from the matmul never reaches HBM.
+the memory-bound fusions left on their own take 1-13%. Such a kernel is priced by the rule that prices a plan's fused
+kernels too (testbed.sim.price.compute.fused_kernel_seconds): the longer of its math and its HBM traffic, its operands
+and result with what is fused into it (epilogue_bytes), but for its consumers' bytes past two passes the size of its
+result (trailing_bytes: an optimizer update's further state), of which only a fitted share runs beside the math; the
+value a fused consumer reads from the matmul never reaches HBM.
 
 The rule, on devices whose compiler does this (``DeviceSpec.fuses_into_matmuls``) and whose calibration prices
 memory-bound kernels apart (an ``elementwise`` group: one chip; without it each segment between collectives is one
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from testbed.sim.price.compute import trailing_bytes
 from testbed.sim.xla.workload import OpKind, Workload, element_bytes
 
 __all__ = ["MatmulFusions", "matmul_fusions"]
@@ -30,11 +33,14 @@ __all__ = ["MatmulFusions", "matmul_fusions"]
 @dataclass(frozen=True, slots=True)
 class MatmulFusions:
     """``bytes``: matmul op -> the HBM bytes of the memory-bound ops fused into it; ``fused``: those ops;
-    ``on_chip``: the matmul ops whose result only ops fused into their own kernel read (it never reaches HBM)."""
+    ``on_chip``: the matmul ops whose result only ops fused into their own kernel read (it never reaches HBM);
+    ``trailing``: matmul op -> the part of its ``bytes`` past the kernel's streams (testbed.sim.price.compute.
+    trailing_bytes of its consumers')."""
 
     bytes: dict[int, float] = field(default_factory=dict)
     fused: frozenset[int] = frozenset()
     on_chip: frozenset[int] = frozenset()
+    trailing: dict[int, float] = field(default_factory=dict)
 
 
 def _result_bytes(workload: Workload, gemm_op: int) -> float:
@@ -65,4 +71,10 @@ def matmul_fusions(workload: Workload, segment: list[int], readers: list[list[in
         gained[gemm] = gained.get(gemm, 0.0) + nbytes
         fused.add(i)
     on_chip = frozenset(g for g in set(consumed.values()) if all(consumed.get(r) == g for r in readers[g]))
-    return MatmulFusions(gained, frozenset(fused), on_chip)
+    consumers: dict[int, float] = {}
+    for i, gemm in consumed.items():
+        consumers[gemm] = consumers.get(gemm, 0.0) + max(0.0, ops[i].hbm_bytes * ops[i].count
+                                                         - _result_bytes(workload, gemm))
+    trailing = {g: trailing_bytes(nbytes, _result_bytes(workload, g)) for g, nbytes in consumers.items()}
+    return MatmulFusions(gained, frozenset(fused), on_chip, {g: b for g, b in trailing.items() if b > 0})
+
