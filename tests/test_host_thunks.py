@@ -1,0 +1,36 @@
+"""The diagnosis benchmarks' readings of a compiled XLA:CPU step (benchmarks/host_thunks.py's thunk classes,
+benchmarks/host_transposes.py's physical transposes as passes), on benchmarks/program_kernels' hand-written module."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from host_thunks import classes  # noqa: E402
+from host_transposes import _as_pass, transposes, transposes_seconds  # noqa: E402
+from test_program_kernels import MODULE  # noqa: E402
+
+COLLECTIVE = MODULE.replace("  ROOT %add.1 = f32[64,16]{1,0} add(%dot.2, %c)",
+                            "  %all-reduce.1 = f32[64,16]{1,0} all-reduce(%dot.2), replica_groups={{0,1}}\n"
+                            "  ROOT %add.1 = f32[64,16]{1,0} add(%all-reduce.1, %c)")
+
+
+def test_classes_name_every_thunk_of_the_entry_and_while_bodies() -> None:
+    kinds = classes(COLLECTIVE)
+    assert kinds["ynn_fusion"] == "dots" and kinds["dot.2"] == "dots"
+    assert kinds["copy_fusion"] == "transposing"  # a while body's loop fusion whose root is a layout copy
+    assert kinds["all-reduce.1"] == "collectives" and kinds["add.1"] == "memory-bound"
+    # a fusion's own instructions, parameters, tuples and the while itself are no thunks
+    assert not {"dot.1", "copy.1", "transpose.1", "a", "tuple.0", "while.1", "gte.1"} & set(kinds)
+
+
+def test_transposes_are_passes_moving_the_sources_minor_dimension() -> None:
+    # the source f32[64,32]{0,1} is physically 32 rows of 64: read with a stride of 64, written 32 to a row
+    assert transposes(MODULE) == [{"batch": 1, "R": 32, "C": 64, "dtype": "f32", "count": 3}]
+    assert _as_pass((8, 64, 128), (2, 1, 0), (1, 2, 0)) == (8, 128, 64)  # a token-mixing transpose, 8 of them
+
+
+def test_transposes_are_priced_at_the_nearest_grid_shape() -> None:
+    grid = [{"shape": [32, 64], "transposed_GBps": 4.0}, {"shape": [2048, 2048], "transposed_GBps": 1.0}]
+    found = transposes(MODULE)
+    assert transposes_seconds(found, grid) == 3 * 2 * 4 * 32 * 64 / 4e9
