@@ -1,0 +1,92 @@
+"""Held-out XLA:TPU compiles (benchmarks/xla_tpu_heldout/): multi-chip plans none of the XLA:TPU memory and
+collective rules was written on, predicted (``predicted.json``, with its commit) before XLA:TPU compiled them.
+Today's predictions against the compiles, at issue 54's tolerances (memory median <= 5%, max <= 10%; OOM verdicts
+agree; collectives per mesh axis equal); the goals not met are strict xfails naming the plans and why."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from testbed.compiled.compare import compare_all
+from testbed.compiled.records import load_records
+from testbed.plan.io import plan_from_dict, plan_to_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+HELDOUT = ROOT / "benchmarks" / "xla_tpu_heldout"
+PREDICTED = json.loads((HELDOUT / "predicted.json").read_text())
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("memory_vs_xla_tpu", ROOT / "benchmarks" / "memory_vs_xla_tpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RECORDS = load_records(HELDOUT / "compiled")
+RESULT = compare_all(RECORDS)
+ROWS = {r["plan"]: r for r in RESULT["plans"]}
+ERRORS = [abs(r["error"]) for r in ROWS.values()]
+
+
+def test_every_heldout_plan_was_predicted_before_it_was_compiled():
+    entries = {e["plan"]["name"]: e for e in _benchmark()._heldout()}
+    assert sorted(r.name for r in RECORDS) == sorted(entries) == sorted(PREDICTED["plans"])
+    predicted_on = datetime.date.fromisoformat(PREDICTED["predicted_on"])
+    for r in RECORDS:
+        assert r.ok and r.target.chips > 1, r.name
+        assert datetime.datetime.fromisoformat(r.date).date() >= predicted_on, r.name
+        assert "--heldout" in r.command and r.name in r.command
+        assert r.target.name == entries[r.name]["target"] == PREDICTED["plans"][r.name]["target"]
+        assert plan_to_dict(r.plan) == plan_to_dict(plan_from_dict(entries[r.name]["plan"], default_name=r.name))
+
+
+def test_out_of_memory_verdicts_agree():
+    assert [p for p, r in ROWS.items() if r["predicted_fits"] != r["xla_fits"]] == []
+
+
+#: Held-out plans over 10% from XLA:TPU's total, by the mechanism the compile shows (docs/xla_tpu.md).
+MEMORY_APART = {
+    "ho-llama4k-tensor8-sp-full": "XLA:TPU all-reduces the sequence-parallel blocks' outputs whole instead of "
+                                  "reduce-scattering them (15 tensor all-reduces, no reduce-scatter) and regathers "
+                                  "the recomputed inputs: full-sequence buffers testbed keeps sharded",
+    "ho-llama4k-fsdp128-full": "XLA:TPU's heap leaves 1.1 GB between its peak and its total, testbed's placement 6 MB",
+    "ho-gpt3k-data4-tensor4-sp-selective": "XLA:TPU regathers the recomputed sequence-parallel inputs in the backward "
+                                           "(16 tensor all-gathers against 11) and its heap leaves 455 MB beyond "
+                                           "its peak",
+}
+
+
+def test_memory_is_within_10_percent_but_on_the_named_plans():
+    """Each held-out plan within 10% of XLA:TPU's total but those :data:`MEMORY_APART` names, each still over."""
+    over = sorted(p for p, r in ROWS.items() if abs(r["error"]) > 0.10)
+    assert over == sorted(MEMORY_APART), {p: f"{ROWS[p]['error']:+.1%}" for p in over}
+
+
+@pytest.mark.xfail(strict=True, reason="memory vs XLA:TPU over {} held-out plans: median |error| {:.1%}, max {:.1%}"
+                   .format(len(ERRORS), statistics.median(ERRORS), max(ERRORS)))
+def test_memory_within_the_issue_tolerance():
+    assert statistics.median(ERRORS) <= 0.05 and max(ERRORS) <= 0.10
+
+
+#: The held-out plans whose collectives equal XLA:TPU's compiled HLO per mesh axis (kind, count, bytes).
+COLLECTIVES_EQUAL = ("ho-gpt1536-data4-tensor2-mb4", "ho-gpt1k-data8-seq4096-flash")
+
+
+def test_collectives_equal_the_compiled_hlo_on_the_named_plans():
+    """The named plans' collectives equal the compiled HLO's; a plan that comes to equal joins the list."""
+    assert sorted(p for p, r in ROWS.items() if r["collectives_equal"]) == sorted(COLLECTIVES_EQUAL)
+
+
+@pytest.mark.xfail(strict=True, reason="collectives per mesh axis differ from XLA:TPU's on {} of {} held-out plans: "
+                   "fsdp gradients all-reduced whole beside a partial-slice fsdp axis, HSDP data all-reduces merged "
+                   "into one, sequence-parallel regathers, v5p's all-reduce packing".format(
+                       len(ROWS) - len(COLLECTIVES_EQUAL), len(ROWS)))
+def test_collectives_per_axis_equal_the_compiled_hlo():
+    assert all(r["collectives_equal"] for r in ROWS.values())
