@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cluster.md"
 RAW = ROOT / "benchmarks" / "cluster_runs"
 RESULTS = ROOT / "benchmarks" / "results" / "cluster"
-#: The saved runs whose links were built as ``testbed cluster up`` builds them now (a bucket of two frames, sparse
+#: The saved runs whose links were built as ``testbed cluster up`` builds them (a bucket of two frames, sparse
 #: packets first), oldest first: collectives (every size, 64 KiB to 64 MiB) and data-/tensor-parallel steps.
 COLLECTIVE_RUNS = ("run19-all", "run20-all", "run21-all", "run22-all")
 STEP_RUNS = ("steps17", "steps18", "steps19", "steps20")
