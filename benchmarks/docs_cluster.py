@@ -265,6 +265,14 @@ and `tp8-small` (`mesh: {tensor: 8}`: 13 gloo calls, ten of 128 KiB). Each rate 
 per plan one job times 4 steps at each rate and unshaped in turn, twice. Predicted is what `validate --cluster`
 predicts (above). Goal: every step within 15%, and each plan's 10 Mb/s / 100 Mb/s step ratio within 15%. Cells
 are measured / predicted seconds (error).
+
+Other readings of what the links add (`testbed.cluster.step.calls_links`): on a quiet run (steps run 15) the
+prediction is within 7.1% at every step, both slow/fast ratios within 3%; with each round's host cost added to its
+wire instead, tp8 at 100 Mb/s is +18.2%, its ratio -11.0%. With each whole call's host part hidden under its wire
+(`max(U, T - U)` a call, `overlap=True`) the reading holds only where the link's bucket is 1 ms of rate (steps runs
+10-11): that bucket gives the links back up to 1 ms of the host's idle time per spell, which the reading stands in
+for; on the links as shaped it hides too much (tp8 at 100 Mb/s -28% to -42%). `benchmarks/cluster_steps.py`
+reports it, and the simulator's plan step less its step unshaped (`plan_links_s`), beside the prediction.
 """
 
 FIGURES = """\
