@@ -104,7 +104,7 @@ MLP -6.0%, CNN -23.7% (median 6.5%; raw -24%, -34%, -46% on the loaded host). Th
 ### Llama 3 405B on 8,192 GPUs: what the memory model was checked against
 
 The row (TP 8, PP 16, DP 64, interleaved V 8, balanced ends) is predicted out of memory under ZeRO 1 (82.8 of 79.65
-GiB on stage 1, 70.0 GiB of it activations) and fits under the ZeRO 2 the paper states (77.7 GiB). Four terms were
+GiB on stage 1, 70.0 GiB of it activations) and fits under the ZeRO 2 the paper states (77.7 GiB). Four terms are
 checked against sources and none is over-counted: a stage's received input and sent output are freed after use (the
 paper, Sec. 3.3.2; Megatron-LM's `deallocate_output_tensor`) and not counted; the per-layer set is Korthikanti et
 al.'s (2022) for SwiGLU and GQA under sequence parallelism with flash attention (15.875 units of `s d / t` values);
