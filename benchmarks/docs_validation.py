@@ -7,7 +7,7 @@ The page is generated, never edited by hand: its tables come from
 - ``benchmarks/results/tpu_chip_fit.json`` (what ``benchmarks/tpu_chip_fit.py --out`` wrote from the chip's
   recorded suite, ``benchmarks/tpu_chip/``);
 - ``benchmarks/results/program_chip.json`` (what ``benchmarks/program_chip.py --report`` printed: users' programs
-  measured on the chip against today's predictions);
+  measured on the chip against the current code's predictions);
 - ``benchmarks/results/v5e_per_chip.json`` (what ``benchmarks/published/v5e_per_chip.py`` printed: one chip's share
   of published v5e runs measured on the chip);
 - ``benchmarks/host_runs/DATE/run-N/validate_host.json`` (what ``benchmarks/validate_host.py`` printed on the
@@ -60,7 +60,7 @@ edit it by hand. Errors are predicted / measured - 1 unless a table says otherwi
     testbed validate --topology my-host.yaml plans/validation/*.yaml  # predicted vs measured, per plan
     python benchmarks/validate_host.py                                # both, back to back (about ten minutes)
     python benchmarks/published_runs.py > runs.json                   # predictions vs published runs
-    python benchmarks/refit_host_runs.py                              # the kept host runs refitted with today's code
+    python benchmarks/refit_host_runs.py                              # the kept host runs refitted with the current code
 
 ## Method
 
@@ -104,7 +104,7 @@ MLP -6.0%, CNN -23.7% (median 6.5%; raw -24%, -34%, -46% on the loaded host). Th
 ### Llama 3 405B on 8,192 GPUs: what the memory model was checked against
 
 The row (TP 8, PP 16, DP 64, interleaved V 8, balanced ends) is predicted out of memory under ZeRO 1 (82.8 of 79.65
-GiB on stage 1, 70.0 GiB of it activations) and fits under the ZeRO 2 the paper states (77.7 GiB). Four terms were
+GiB on stage 1, 70.0 GiB of it activations) and fits under the ZeRO 2 the paper states (77.7 GiB). Four terms are
 checked against sources and none is over-counted: a stage's received input and sent output are freed after use (the
 paper, Sec. 3.3.2; Megatron-LM's `deallocate_output_tensor`) and not counted; the per-layer set is Korthikanti et
 al.'s (2022) for SwiGLU and GQA under sequence parallelism with flash attention (15.875 units of `s d / t` values);
@@ -271,7 +271,7 @@ def host_section(runs: list[tuple[str, dict]]) -> list[str]:
            "`benchmarks/validate_host.py` (calibrate, then validate the 14 plans of `plans/validation/`: DP, FSDP, "
            "ZeRO-1/2/3, TP, PP with every schedule, and mixes with bf16 and remat). Each run's JSON and raw "
            "measurements are in `benchmarks/host_runs/`; each run predicted with the code of its day "
-           "(`benchmarks/refit_host_runs.py` refits them with today's). Goal met: median <= 10% and max <= 25% "
+           "(`benchmarks/refit_host_runs.py` refits them with the current code). Goal met: median <= 10% and max <= 25% "
            "at the calibrated speed.", ""]
     rows = []
     for name, data in runs:
@@ -353,7 +353,7 @@ def programs_section(data: dict) -> list[str]:
     rec, step, memory = data["recorded"], data["step_time"], data["memory_vs_xla"]
     out = ["### Users' programs on the chip", "",
            f"The eight held-out programs of `benchmarks/heldout/` at chip sizes on one-device meshes, timed on the "
-           f"{rec['device_kind']} chip ({rec['date']}, `{rec['command']}`) and predicted on today's `tpu-v5e-1` by the "
+           f"{rec['device_kind']} chip ({rec['date']}, `{rec['command']}`) and predicted on the current `tpu-v5e-1` by the "
            f"traced tier: step time median {_f(step['median_abs'])}, max {_f(step['max_abs'])} (goal: median 10%). "
            "The traced memory estimate follows XLA:CPU's buffers, not XLA:TPU's fusions: median "
            f"{_f(memory['median_abs'])}, max {_f(memory['max_abs'])} above XLA:TPU's memory analysis.", ""]
@@ -376,7 +376,7 @@ def per_chip_section(data: dict) -> list[str]:
     rows = [(name, f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}", _signed(r["error"]),
              f"{r['mfu_measured'] * 100:.1f}%") for name, r in data["proxies"].items()]
     out += vt._table(("proxy", "step ms", "predicted ms", "error", "runner MFU"), rows)
-    out += ["", "Scaled to all of each run's layers (today's prediction of the full-depth proxy over the proxy's), "
+    out += ["", "Scaled to all of each run's layers (the current prediction of the full-depth proxy over the proxy's), "
             "the chip's own work beside the published step and testbed's prediction of the run on its slices "
             "(`benchmarks/published/v5e_per_chip.py`):", ""]
     rows = [(name, str(r["layers"]), f"{r['chip_step_s']:.2f}", f"{r['published_step_s']:.2f}",
@@ -396,8 +396,8 @@ def heldout_chip_section(data: dict) -> list[str]:
         step, memory = s["step_time"], s["memory_vs_xla"]
         out += [f"### {_HELDOUT_TITLES.get(name, name)}", "",
                 f"`benchmarks/tpu_chip/{name}/`: predicted on `tpu-v5e-1` at {s['predicted_at']} before they ran on the "
-                f"{s['device_kind']} chip ({s['date'][:10]}); today's step time median {_f(step['median_abs'])}, max "
-                f"{_f(step['max_abs'])} (predicted before: {_f(s['recorded_step_time']['median_abs'])} / "
+                f"{s['device_kind']} chip ({s['date'][:10]}); the current code's step time median {_f(step['median_abs'])}, max "
+                f"{_f(step['max_abs'])} (as predicted at {s['predicted_at']}: {_f(s['recorded_step_time']['median_abs'])} / "
                 f"{_f(s['recorded_step_time']['max_abs'])}); memory vs XLA:TPU's total median {_f(memory['median_abs'])}, "
                 f"max {_f(memory['max_abs'])}.", ""]
         rows = [(plan, f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}", _signed(r["error"]),
@@ -415,7 +415,7 @@ def heldout_chip_summary(data: dict) -> list[str]:
              f"median {_f(s['memory_vs_xla']['median_abs'])}, max {_f(s['memory_vs_xla']['max_abs'])}"
              for name, s in data["sets"].items()]
     return ["### Plans the chip suite never saw", "",
-            "Predicted on `tpu-v5e-1` before they ran on the chip, against today's predictions: " + "; ".join(parts)
+            "Predicted on `tpu-v5e-1` before they ran on the chip, against the current code's predictions: " + "; ".join(parts)
             + ". Per plan: [tpu_heldout.md](tpu_heldout.md)."]
 
 
@@ -423,7 +423,7 @@ HELDOUT_HEADER = """\
 # One-chip plans the suite never saw
 
 Plans of shapes and settings the single-chip suite lacks, predicted on `tpu-v5e-1` and committed before they ran
-on the TPU v5e chip, against today's predictions (`python benchmarks/tpu_chip_heldout.py`; tests/test_tpu_heldout.py
+on the TPU v5e chip, against the current code's predictions (`python benchmarks/tpu_chip_heldout.py`; tests/test_tpu_heldout.py
 holds them to the single-chip goals: step time median 8% / max 15%, memory median 3% / max 8%). The MoE plans
 (ho-moe8x-top2 and `moe/`) are also the sample the experts' fused weight-gradient rate is fitted over
 (`benchmarks/tpu_moe_ops.py`: leaving each plan's kernels out of the fit, their step time median 7.8%, max 15.6%).

@@ -126,9 +126,9 @@ BAD_VALUES = st.one_of(
 TOPOLOGY_REFS = st.sampled_from([f"{TMP}/topology.yaml", f"{TMP}/missing.yaml", f"{TMP}/" + "t" * 5000 + ".yaml",
                                  "t" * 300, TMP, "/dev/null", "host-cpu-8", "dgx-h100", "no-such-topology", ""])
 
-# -- the newer keys, near their valid values ------------------------------------------------
+# -- plan keys by name, near their valid values ---------------------------------------------
 
-#: Plan keys added since the fuzzer was written (path from the document's root), with values near the valid ones.
+#: Plan keys fuzzed by name (path from the document's root), with values near the valid ones.
 PLAN_OPTIONS: dict[tuple, list] = {
     ("model", "attention"): ["plain", "flash", "Flash", "blockwise", "", "flash "],
     ("model", "attention_block"): [1, 2, 3, 7, 8, 16, 32, 0, -8, 2**40, 8.0, 8.5, "8"],

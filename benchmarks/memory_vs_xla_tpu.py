@@ -24,7 +24,8 @@ also writes the markdown table of docs/xla_tpu.md.
 ``--heldout`` takes the held-out plans of :func:`_heldout` instead (``benchmarks/xla_tpu_heldout/``): plans
 none of testbed's XLA:TPU rules was written or fitted on, whose predictions ``--heldout --predict`` records
 (``predicted.json``, with the commit) before ``--heldout --collect`` compiles them into ``compiled/``. The
-default run reports them under ``heldout``: today's predictions and the recorded ones against XLA's.
+default run reports them under ``heldout``: the current code's predictions (key ``today``) and the recorded ones
+against XLA's.
 
     PYTHONPATH=/tmp/tpusite nice python benchmarks/memory_vs_xla_tpu.py --collect [--only NAME ...] [--limit CPU_S]
     python benchmarks/memory_vs_xla_tpu.py --heldout --predict
@@ -247,8 +248,9 @@ def predict_heldout() -> dict:
 
 
 def heldout_result() -> dict | None:
-    """The compiled held-out plans against today's predictions (``compare_all``'s summaries) and against the
-    predictions recorded before they were compiled (``before``: memory error median and max, collectives equal)."""
+    """The compiled held-out plans against the current code's predictions (``today``: ``compare_all``'s summaries)
+    and against the predictions recorded before they were compiled (``before``: memory error median and max,
+    collectives equal)."""
     from testbed.compiled.compare import compare_all
     from testbed.compiled.records import load_records
 
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wall-limit", type=float, default=3600.0,
                         help="wall seconds one compile may take (default 3600)")
     parser.add_argument("--heldout", action="store_true", help="the held-out plans (benchmarks/xla_tpu_heldout/)")
-    parser.add_argument("--predict", action="store_true", help="record today's predictions of the held-out plans")
+    parser.add_argument("--predict", action="store_true", help="record the current predictions of the held-out plans")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--table", help="write the markdown table of predicted vs XLA:TPU memory to this path")
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 
 Issue 36's first goal is a hypothesis test over drawn plans (traced step time within 5% of plan-driven
 simulation, collective bytes per mesh axis exact). A drawn test samples its space; this script walks all of
-it, so a session knows which corners still miss before a draw finds them: GPT of 2 layers, d_model 1024 or
+it, so every corner that misses is known without waiting for a draw to find it: GPT of 2 layers, d_model 1024 or
 2048, sequence 1024 or 2048, one sequence per replica, tensor 1/2/4/8 (sequence parallel or not where tensor >
 1), bf16-mixed or fp32, the replicas as data (``data``) or fsdp (``fsdp``), over the whole of
 ``dgx-h100-superpod`` (1,024 GPUs) and ``tpu-v5e-16x16`` (256 chips). 224 points, about five minutes of CPU.

@@ -18,7 +18,7 @@ Prints one JSON object:
   of the same space, caches warm as in a long search (``--cold``: a fresh
   pass, collective profiles included), per minute and per CPU minute. It is
   the cost of the analytic tier per plan it does estimate, which the search's
-  floors avoid for most plans; before the floors it was the headline;
+  floors avoid for most plans; it bounds a search without floors;
 - ``search``: that search's counts (``analytic_s`` its analytic tier,
   ``replay_s`` its DES replay), and its best plan vs the bundled plan;
 - ``load_average``: the machine's 1-minute load when the rates were measured (``os.getloadavg``): the

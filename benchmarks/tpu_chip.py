@@ -174,7 +174,7 @@ def relative_command(command: str) -> str:
 
 
 def merge_runs(calls: list[dict]) -> dict:
-    """Several calls' ``runs.json`` as one (a session's device time comes in calls of under 10 minutes): each
+    """Several calls' ``runs.json`` as one (a suite longer than one call's device time, under 10 minutes, runs in several): each
     call's date, command and wall time under ``calls``; one row per plan, from the first call where it ran (or,
     where it never ran, its last failure), its other successful runs' medians under ``repeats``."""
     rows: dict[str, dict] = {}

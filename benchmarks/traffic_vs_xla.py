@@ -3,10 +3,10 @@
 Why: on the emulated host, ``tp8`` of ``plans/validation/`` runs about twice
 as long as ``dp8`` at equal FLOPs per device, and the simulator's roofline
 (``max(FLOPs time, HBM bytes time)`` per task, with ``testbed.model.costs``'s
-minimal-traffic bytes) missed it by about -55%; the simulator now adds
+minimal-traffic bytes) alone misses it by about -55%; so the simulator adds
 elementwise passes over the replicated and split activation bytes
 (``testbed.model.costs.layer_traffic_bytes``, calibration ``elementwise.replicated_passes`` and
-``elementwise.split_passes``, fitted on training steps), which this study motivated. XLA's ``cost_analysis()``
+``elementwise.split_passes``, fitted on training steps), the terms this study measures. XLA's ``cost_analysis()``
 counts 342 MB accessed per device per step for tp8 against 139 MB for dp8:
 the LayerNorms, residual adds and biases run on the full, replicated
 activations of every tensor-parallel device. This script compiles the

@@ -79,7 +79,7 @@ def test_search_devices_beyond_the_limit_are_refused_at_once(capsys):
     start = time.monotonic()
     code, err = _err(["search", "--model", "gpt-tiny", "--topology", "dgx-h100", "--devices", "8589934592"], capsys)
     assert code == 2 and "field `--devices`" in err and "1,048,576" in err, err
-    assert time.monotonic() - start < 30  # it built nothing (it used to exhaust memory)
+    assert time.monotonic() - start < 30  # it built nothing (building that space would exhaust memory)
 
 
 @pytest.mark.parametrize("size", ["1e30", "1e20"])
@@ -128,7 +128,8 @@ def test_search_space_beyond_the_plan_limits_is_not_enumerated():
     (("device", "memory"), 1e300, "device.memory"),
 ])
 def test_topology_rates_and_times_have_stated_ranges(path, value, field):
-    """Such values used to pass and divide by zero inside the simulator (a traceback from `simulate`)."""
+    """Such values are refused when read; unchecked, they divide by zero inside the simulator (a traceback from
+    `simulate`)."""
     data = topology_to_dict(load_topology("host-cpu-8"))
     node = data
     for key in path[:-1]:

@@ -101,7 +101,7 @@ def test_both_tiers_price_the_fused_update_and_the_chip_profile_agrees() -> None
 def test_a_fused_update_hides_the_share_both_categories_fit() -> None:
     """EPILOGUE_HIDDEN is benchmarks/tpu_fused_update_fit.py's fit over the plans' and the users' programs' profiled
     kernels that hold an optimizer update; at it both categories' kernels are priced closer than by the longer of
-    matmul and update (the traced tier's rule before), left out too, and so are the held-out proxies' kernels
+    matmul and update (the unfitted rule), left out too, and so are the held-out proxies' kernels
     (benchmarks/tpu_chip/proxies/profiles.json); the programs' steps are no worse than at the longer of the two."""
     import sys
 

@@ -611,7 +611,7 @@ def test_gloo_rings_hide_a_rounds_host_cost_under_its_wire(group):
 def test_groups_of_which_one_is_no_grid_are_timed_by_programs_that_fit_every_group() -> None:
     """On a torus a group along one dimension is a grid and a group across a row's end is not: the automatic pick
     times them together with programs every group can run (a grid program needs every group a grid), not a grid
-    program it cannot lay out (it had raised a TypeError in a search on a v4 slice of 384 chips)."""
+    program it cannot lay out (a TypeError; a search on a v4 slice of 384 chips meets such groups)."""
     torus = load_topology("tpu-v4-4x4x4")
     along, across = (0, 1, 2, 3), (3, 4, 5, 6)
     assert group_grid(torus, along) is not None and group_grid(torus, across) is None

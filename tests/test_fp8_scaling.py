@@ -94,7 +94,7 @@ def test_blockwise_tags_every_cast_gemm_and_runs_them_at_the_block_scaled_share_
 
 def test_blockwise_is_slower_than_delayed_in_both_tiers_with_expert_parallel_moe_layers():
     """An MoE layer's chain takes its experts' GEMMs out of the action's by shape and tag (testbed.sim.step.moe): the
-    tags must survive scaling (a regression: blockwise failed with 'not among the GEMMs')."""
+    tags must survive scaling (lost, blockwise fails with 'not among the GEMMs')."""
     topology = load_topology("dgx-h100")
     spec = {**_SPEC, "model": {**_SPEC["model"], "experts": 4, "top_k": 2}, "mesh": {"expert": 4, "tensor": 2},
             "batch": {"global_batch": 8, "microbatches": 2}}

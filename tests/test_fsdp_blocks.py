@@ -248,8 +248,8 @@ def test_the_analytic_tier_times_the_task_graphs_span_play(sequence_parallel: bo
     """fsdp x tensor: both tiers play the blocks span by span from one decision (testbed.sim.step.span_order), each
     span's tensor collectives among the blocks, a block done once its collectives are, the weight gradients held
     for the bucket that reads them (at 2 microbatches an earlier microbatch's reduce-scatters into the
-    accumulator as well); the analytic tier's step is the task graph's within 1% (it was 2.4-2.8% fast when it
-    played the collectives after the action's compute)."""
+    accumulator as well); the analytic tier's step is the task graph's within 1% (playing the collectives after
+    the action's compute, it is 2.4-2.8% fast)."""
     from testbed.explore.analytic import estimate
     from testbed.explore.space import resize_topology
     from testbed.sim.graph.engine import simulate
@@ -345,7 +345,7 @@ def test_an_earlier_microbatch_plays_its_blocks_as_the_last_one_does(sequence_pa
     (the weight gradients held for the merges that read them, each merge leaving once they are computed:
     testbed.sim.step.span_order), each of its reduce-scatters after the same compute. On the TPU slice the traced
     program computes the first layer's weight gradients after the embedding's scatter-add in both iterations;
-    the plan had played them right after the layer's spans in the first (0.948 at fsdp128 x tensor 2, d_model
+    played right after the layer's spans in the first, the plan reads 0.948 (fsdp128 x tensor 2, d_model
     2048, sequence parallel, bf16)."""
     model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)
     plan = replace(_plan(model, fsdp=2, tensor=2, microbatches=2), sequence_parallel=sequence_parallel)
@@ -437,7 +437,7 @@ def test_a_layers_output_projection_gradient_merged_alone_leaves_before_its_inpu
     gradient alone (d_model 2048, tensor 2: the next leaf does not fit XLA's bound), the traced TPU step computes
     that weight gradient before the layer's input gradients (its reduce-scatter ready at once), and the plan's
     play does too: the last layer's block computes that third of its weight-gradient matmuls first and releases
-    the merge after it, holding only the rest to its end (before: all of them, priced 0.376 ms where the traced
+    the merge after it, holding only the rest to its end (holding all of them prices 0.376 ms where the traced
     held matmuls take 0.218 ms)."""
     from testbed.runner.program.plans import trace_plan
     from testbed.sim.graph.span_play import action_plays

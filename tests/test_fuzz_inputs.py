@@ -367,7 +367,8 @@ def test_yaml_control_characters_and_giant_numbers_are_input_errors(tmp_path, ca
     (["search", "--model", "", "--topology", "host-cpu-8"], "--model"),
 ])
 def test_empty_paths_name_the_field_not_the_current_folder(capsys, argv, field):
-    """Path("") is the current folder: an empty plan or topology argument said `.: is not a file` (issue 24)."""
+    """Path("") is the current folder: an empty plan or topology argument names its field, not `.: is not a file`
+    (issue 24)."""
     code, _, err = _run(argv, capsys)
     assert code == 2 and f"field `{field}`" in err and "error: .:" not in err, err
 

@@ -92,7 +92,7 @@ def test_attribution_finds_the_stack_and_the_case_the_held_out_error_comes_from(
     report = held_out.attribution(rows, benchmark)
     stack_out = held_out.held_out(rows, "stack", benchmark)["overall"]
     without_c = report["by_stack"]["c"]["leave_one_stack_out"]
-    assert without_c["max_abs_error"] < 0.02 < stack_out["max_abs_error"]  # c's bias was the held-out error
+    assert without_c["max_abs_error"] < 0.02 < stack_out["max_abs_error"]  # c's bias is the held-out error
     assert report["by_stack"]["a"]["leave_one_stack_out"]["max_abs_error"] > 0.2  # a priced exactly changes little
     assert report["by_stack"]["c"]["cases"] == 1 and report["by_stack"]["c"]["in_sample"]["max_abs_error"] < 0.02
     assert list(report["by_case"]) == ["c1"]  # the one case whose in-sample error is over ATTRIBUTED_ERROR

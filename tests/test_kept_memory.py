@@ -213,7 +213,8 @@ def test_a_layers_backward_workspace_is_its_larger_sublayer() -> None:
     assert workspace.sublayer_workspace(plan) == max(workspace.attention_workspace(plan), hidden)
 
 
-#: Published runs that trained and that the memory model used to put over their devices' memory (issue 35):
+#: Published runs that trained and that a memory model without these mechanisms puts over their devices' memory
+#: (issue 35):
 #: NeMo's Llama 3 70B (fp8 inputs), torchtitan's Llama 3 8B (per-op recompute), MosaicML's MPT-3B at 8K (the
 #: fused loss), Meta's Llama 3 405B on 8K and 16K GPUs (the paper's FSDP shards the gradients: ZeRO 2), MaxText's v5p
 #: 32B, 64B, 128B and 256B models (remat_policy minimal: runtime.recompute save-dots, at v5p's 95.74 GiB limit, as

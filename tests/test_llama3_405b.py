@@ -77,12 +77,12 @@ def test_full_recompute_fits_with_room_to_spare(case) -> None:
 
 
 def test_a_stage_holds_its_layers_sets_and_nothing_at_its_edges() -> None:
-    """The 8,192-GPU row of Table 4 (TP 8, PP 16, DP 64, 32 microbatches, interleaved V 8; issue 35, once predicted out
-    of memory): its fullest stage (1) holds ``(V - 1) p + 2 (p - 1 - s) + 1`` = 141 (microbatch, chunk) sets at its
-    peak (Megatron-LM's and PyTorch's ``ScheduleInterleaved1F1B`` warm-up, plus the steady state's forward), one layer
-    each under balanced ends, with every chunk's gradients already written (so ``lazy_grads`` cannot lower it), and
-    the memory model counts exactly those 141 layer sets: a stage's received input is its first layer's saved norm
-    input, counted once, and its sent output is freed once sent (Megatron-LM's ``deallocate_output_tensor``; the
+    """The 8,192-GPU row of Table 4 (TP 8, PP 16, DP 64, 32 microbatches, interleaved V 8; issue 35: a run that
+    trained, so never predicted out of memory): its fullest stage (1) holds ``(V - 1) p + 2 (p - 1 - s) + 1`` = 141
+    (microbatch, chunk) sets at its peak (Megatron-LM's and PyTorch's ``ScheduleInterleaved1F1B`` warm-up, plus the
+    steady state's forward), one layer each under balanced ends, with every chunk's gradients already written (so
+    ``lazy_grads`` cannot lower it), and the memory model counts exactly those 141 layer sets: a stage's received
+    input is its first layer's saved norm input, counted once, and its sent output is freed once sent (Megatron-LM's ``deallocate_output_tensor``; the
     Llama 3 paper, Sec. 3.3.2, deallocates "the input and output tensors of each pipeline stage"), counted never
     (docs/validation.md, "Llama 3 405B on 8,192 GPUs: what the memory model was checked against")."""
     cases, inline = runs.load_cases(runs.CASES)

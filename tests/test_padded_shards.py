@@ -41,7 +41,8 @@ def _plan(model: ModelSpec = MODEL, microbatches: int = 2, schedule: str = "1f1b
 
 
 def test_zero1_over_12_ranks_shards_the_optimizer_state_with_its_padding() -> None:
-    # d_model 16, d_ff 32, vocab 32: no dim of any parameter is a multiple of 12, so the old rule kept it all whole.
+    # d_model 16, d_ff 32, vocab 32: no dim of any parameter is a multiple of 12, so sharding only divisible dims
+    # would keep it all whole.
     plan = _plan(data=12, zero=1)
     _, _, opt_b = state_bytes_per_param(plan)
     held = costs.device_stage_params(plan, 0)

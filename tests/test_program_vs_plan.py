@@ -266,7 +266,7 @@ def test_fsdp_steps_merge_the_plans_gathers_and_reduce_scatters(drawn) -> None:
     equal to that, the gathers exactly. With sequence parallelism too: the tensor-replicated gradients (norms,
     row-parallel biases) of the pieces before the last that holds one are walked at that piece's start, where
     XLA's all-reduce combiner puts their merged sum over the tensor ranks (testbed.model.leaves, _scatter_walk;
-    whole merges moved to the backward's end were within a few of those leaves, 10 KB of 17-30 MB, before)."""
+    whole merges moved to the backward's end instead miss by a few of those leaves, 10 KB of 17-30 MB)."""
     plan, topology = drawn
     traced, planned, _, _ = _both(plan, topology)
     moved, expected = _fsdp_sizes(traced.program, plan, topology), _fsdp_sizes(planned.program, plan, topology)
@@ -307,11 +307,11 @@ def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_an_fsdp_by_tensor_bf16_step_time(sequence_parallel: bool) -> None:
-    """8 layers, fsdp 128 x tensor 8 in bf16-mixed on the superpod (1.46 and 1.52 before): the runner casts each
-    leaf's fp32 shard to bf16 before its gather, and JAX emits a layer's casts and gathers after the layer before
-    it. XLA's combiner rule (testbed.sim.xla.combine: by data-flow reachability, not program order) merges the
+    """8 layers, fsdp 128 x tensor 8 in bf16-mixed on the superpod (1.46 and 1.52 without these merges): the runner
+    casts each leaf's fp32 shard to bf16 before its gather, and JAX emits a layer's casts and gathers after the layer
+    before it. XLA's combiner rule (testbed.sim.xla.combine: by data-flow reachability, not program order) merges the
     forward's gathers across layers within the bound, as the plan's model does, and the backward's of two
-    adjacent pieces (a piece's gather waits for a cotangent computed two pieces back), as the plan's model now
+    adjacent pieces (a piece's gather waits for a cotangent computed two pieces back), as the plan's model
     counts them (testbed.model.leaves.backward_merges)."""
     model = ModelSpec(layers=8, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
     plan = Plan(name="fsdp-tp", model=model, batch=BatchSpec(global_batch=128), mesh=MeshSpec(fsdp=128, tensor=8),
@@ -325,12 +325,13 @@ def test_an_fsdp_by_tensor_bf16_step_time(sequence_parallel: bool) -> None:
                                                                        (2048, 4, True)])
 def test_an_fp32_fsdp_by_tensor_step_time_at_sequence_2048_on_a_superpod(d_model: int, tensor: int,
                                                                           sequence_parallel: bool) -> None:
-    """fsdp over the superpod's other ranks x tensor in fp32 at sequence 2048 (1.067, 1.056, 1.059 before): the
-    runner's last layer is not linked to the head, so its backward gather reads the final norm's backward, which
-    reads the head's input gradient summed over tensor; the tracer issued it after the head's weight-gradient
-    matmul, which JAX emits in between (3.6 ms at d_model 2048 in fp32), where XLA's scheduler runs that matmul
-    under the started gather (testbed.sim.xla.overlap.hoist_collectives); with sequence parallelism the no-op
-    all-reduces over groups of one device had also merged the two (testbed.sim.xla.combine.drop_trivial_collectives)."""
+    """fsdp over the superpod's other ranks x tensor in fp32 at sequence 2048 (1.067, 1.056, 1.059 with the
+    gather issued in program order): the runner's last layer is not linked to the head, so its backward gather
+    reads the final norm's backward, which reads the head's input gradient summed over tensor; JAX emits the head's
+    weight-gradient matmul in between (3.6 ms at d_model 2048 in fp32), and XLA's scheduler, as the tracer, runs
+    that matmul under the started gather (testbed.sim.xla.overlap.hoist_collectives); with sequence parallelism the
+    no-op all-reduces over groups of one device, kept, would merge the two too (testbed.sim.xla.combine
+    .drop_trivial_collectives drops them)."""
     model = ModelSpec(layers=2, d_model=d_model, heads=16, d_ff=4 * d_model, seq_len=2048, vocab=32768)
     plan = Plan(name="fsdp-tp-fp32", model=model, batch=BatchSpec(global_batch=1024 // tensor),
                 mesh=MeshSpec(fsdp=1024 // tensor, tensor=tensor), schedule=ScheduleSpec(name="1f1b"),
@@ -364,12 +365,12 @@ def test_an_fsdp_by_tensor_step_time_on_a_tpu_slice(d_model: int, seq_len: int, 
     merges and their order are the traced step's (test_fsdp_steps_merge_the_plans_gathers_and_reduce_scatters),
     and the last block's gradients, which the traced program completes among the backward's tensor all-reduces,
     are reduce-scattered after them on both tiers (testbed.sim.step.step_rules.after_tensor), not beside them on
-    shared links (1.04, 1.06, 1.08 before). d_model 1024 at sequence 2048 was a strict xfail (1.34, 1.27, 1.125,
-    1.084) until the tracer started the unlinked last layer's backward gather right after the head's input gradient
-    and its tensor all-reduce, ahead of the head's weight-gradient matmul (testbed.sim.xla.overlap.hoist_collectives):
-    1.038. That tracer rule took d_model 2048 fp32 from 0.993 to 0.945 (a strict xfail: the plan played each
-    action's tensor all-reduces after its compute), until the plan played each block span by span, its weight
-    gradients where the program computes them (testbed.sim.graph.span_play): 0.967."""
+    shared links (beside them: 1.04, 1.06, 1.08). d_model 1024 at sequence 2048 reads 1.038 as the tracer starts
+    the unlinked last layer's backward gather right after the head's input gradient and its tensor all-reduce, ahead
+    of the head's weight-gradient matmul (testbed.sim.xla.overlap.hoist_collectives; without that rule 1.34, 1.27,
+    1.125, 1.084). d_model 2048 fp32 reads 0.967 as the plan plays each block span by span, its weight gradients
+    where the program computes them (testbed.sim.graph.span_play); playing each action's tensor all-reduces after
+    its compute instead reads 0.945 (0.993 without the tracer rule too)."""
     model = ModelSpec(layers=2, d_model=d_model, heads=16, d_ff=4 * d_model, seq_len=seq_len, vocab=32768)
     plan = Plan(name="fsdp-tp-tpu", model=model, batch=BatchSpec(global_batch=64), mesh=MeshSpec(fsdp=64, tensor=4),
                 schedule=ScheduleSpec(name="1f1b"), precision=precision, remat="none",
@@ -505,10 +506,10 @@ def test_hybrid_sharded_steps_with_padded_leaves_move_the_plans_bytes_on_every_a
 
 
 def test_a_sequence_parallel_fp32_step_with_learned_positions_on_a_superpod() -> None:
-    """A point of the superpod draw space that was 1.06 while the tracer merged all-gathers without a bound and the
-    plan counted one data all-reduce. The embedding backward's tensor all-gather merges with the learned position
+    """A point of the superpod draw space: 1.06 with the all-gathers merged without a bound and one data all-reduce
+    counted in the plan. The embedding backward's tensor all-gather merges with the learned position
     table's gradient gather, which follows the data all-reduce, and puts two data all-reduces in series; the plan
-    counts them so now (testbed.sim.step.grad_bytes.token_table_last; 0.974 before, with one)."""
+    counts them so (testbed.sim.step.grad_bytes.token_table_last; with one: 0.974)."""
     model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
     plan = Plan(name="sp", model=model, batch=BatchSpec(global_batch=256), mesh=MeshSpec(data=256, tensor=4),
                 schedule=ScheduleSpec(name="1f1b"), precision="fp32", remat="none", sequence_parallel=True)
@@ -554,11 +555,11 @@ def test_data_steps_sum_the_gradients_in_the_plans_all_reduces(drawn) -> None:
 
 @pytest.mark.parametrize("d_model", [1024, 2048])
 def test_a_data_by_tensor_2_sequence_parallel_bf16_step_time_on_a_superpod(d_model: int) -> None:
-    """data 512 x tensor 2 with sequence parallelism in bf16-mixed, sequence 1024 (1.052 and 1.057 before): the step
+    """data 512 x tensor 2 with sequence parallelism in bf16-mixed, sequence 1024: the step
     is the gradients' sums over 512 replicas after the backward. The traced program sums the token table's gradient
     after the rest (test_data_steps_sum_the_gradients_in_the_plans_all_reduces) and the tensor-replicated
-    gradients' as the layers' backward ends, beside the rest of it (testbed.sim.step.grad_bytes.summed_in_the_step); the
-    plan's model had one all-reduce and that sum after it."""
+    gradients' as the layers' backward ends, beside the rest of it (testbed.sim.step.grad_bytes.summed_in_the_step), as
+    the plan's model does (modelled as one all-reduce with that sum after it instead: 1.052 and 1.057)."""
     model = ModelSpec(layers=2, d_model=d_model, heads=16, d_ff=4 * d_model, seq_len=1024, vocab=32768)
     plan = Plan(name="data-tp-sp", model=model, batch=BatchSpec(global_batch=512), mesh=MeshSpec(data=512, tensor=2),
                 schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none", sequence_parallel=True)
@@ -582,8 +583,8 @@ def test_accumulating_data_steps_move_the_plans_bytes_on_every_axis(drawn) -> No
 
 def test_an_accumulating_bf16_data_step_sums_its_gradients_once_in_bf16() -> None:
     """Superpod data 1024 bf16-mixed at 2 microbatches: one all-reduce over data of the bf16 gradients (the norms'
-    included, the loss's 4 bytes merged into it), the bytes of the plan's; ``jnp.sum``'s fp32 sum of the replicas
-    had moved twice the plan's bytes (traced/plan 1.14 where it is now 0.93)."""
+    included, the loss's 4 bytes merged into it), the bytes of the plan's; an fp32 ``jnp.sum`` of the replicas
+    would move twice the plan's bytes (traced/plan 1.14; summed in bf16: 0.93)."""
     model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
     plan = Plan(name="accumulate", model=model, batch=BatchSpec(global_batch=2048, microbatches=2),
                 mesh=MeshSpec(data=1024), schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none")
@@ -610,7 +611,7 @@ def test_an_accumulating_sequence_parallel_step_slices_the_position_table_locall
     """Superpod data 512 x tensor 2, sequence parallel, bf16, 2 microbatches: each replica's copy of the position
     table (the loop's spread parameters) is sliced to this device's sequence shard by Shardy's ``sdy.all_slice``,
     which reads and writes that shard (testbed.runner.program.compile.LOCAL_SLICES: its ``out_sharding``), not the
-    whole ``[replicas, seq, d_model]`` broadcast: 1.08 GB twice a microbatch before (traced/plan 1.165, now 0.966)."""
+    whole ``[replicas, seq, d_model]`` broadcast (1.08 GB twice a microbatch: traced/plan 1.165; sliced: 0.966)."""
     model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
     plan = Plan(name="accumulate", model=model, batch=BatchSpec(global_batch=1024, microbatches=2),
                 mesh=MeshSpec(data=512, tensor=2), schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed",
@@ -655,8 +656,8 @@ def test_an_accumulating_fsdp_by_tensor_step_holds_the_first_microbatchs_weight_
     its gradients into the accumulator from the same weight gradients as the last one's buckets, and the traced
     program computes them as it does in the last (the first layer's after the embedding's scatter-add, the table's
     reduce-scatter beside them); the plan plays the first microbatch's blocks as the last one's
-    (testbed.sim.graph.program, testbed.explore.play). It had played each block's weight gradients after its spans
-    there: 0.948 and 0.948."""
+    (testbed.sim.graph.program, testbed.explore.play). Playing each block's weight gradients after its spans
+    there reads 0.948 and 0.948."""
     model = ModelSpec(layers=2, d_model=d_model, heads=16, d_ff=4 * d_model, seq_len=1024, vocab=32768)
     plan = Plan(name="accumulate-tp", model=model, batch=BatchSpec(global_batch=256, microbatches=2),
                 mesh=MeshSpec(fsdp=128, tensor=2), schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed",

@@ -46,7 +46,7 @@ def test_candidates_are_runnable_and_distinct() -> None:
 
 def test_sequence_parallel_candidates() -> None:
     """Sequence parallelism where a tensor axis can split the sequence only; a base plan with it searches meshes
-    without a tensor axis too (it used to fail there); both choices when the space lists both."""
+    without a tensor axis too (not an error there); both choices when the space lists both."""
     base = replace(preset_plan("gpt-tiny"), sequence_parallel=False)
     sp_base = replace(base, mesh=replace(base.mesh, tensor=2), sequence_parallel=True)
     plans = list(candidates(sp_base, 8, SMALL))

@@ -113,7 +113,7 @@ def test_analytic_tier_plays_the_rule_near_the_task_graph(name: str) -> None:
 def test_both_tiers_count_the_controller_among_the_threads_of_overlapping_programs(name: str) -> None:
     """Programs that overlap (``serial_programs: false``): the controller computes on the host's cores while it
     dispatches, in the DES as a thread while its host tasks run, in the analytic tier as its share of the step
-    (testbed.sim.price.host_threads). Without it there the analytic tier was 10-12.5% fast on these plans."""
+    (testbed.sim.price.host_threads). Without it there the analytic tier is 10-12.5% fast on these plans."""
     plan = load_plan(f"plans/validation/{name}.yaml")
     des = simulate(plan, _host(False)).report.step_time_s
     assert estimate(plan, _host(False)).step_time_s == pytest.approx(des, rel=0.10)

@@ -119,7 +119,7 @@ def test_the_plans_first_layer_starts_on_the_merge_the_traced_one_starts_on() ->
     merge has landed, before its own block's first merge has; the plan's first layer's first span starts as the
     embedding's block's last gather ends too (within 20 us; not on the layer's lowered rank-1 gathers, an
     all-reduce chain apart from its all-gathers, nor its all-gathers), and its attention before the layer's own
-    gathers end (before the rule: after them, 0.37 ms later)."""
+    gathers end (without the rule: after them, 0.37 ms later)."""
     traced, plan_rows = _side_by_side()
     fsdp = [(s, e) for s, e, stream, _ in traced if stream == "all_gather fsdp"]
     tensor = [s for s, e, stream, _ in traced if stream == "all_gather tensor"]

@@ -115,8 +115,8 @@ def _pytest_in(project: Path, *args: str, ini: str | None = None) -> subprocess.
 @pytest.mark.parametrize("value", ["abc", "-1", "100000", str(2**31), "1.5"])
 @pytest.mark.parametrize("where", ["option", "ini"])
 def test_bad_device_counts_are_one_line_usage_errors(tmp_path: Path, where: str, value: str) -> None:
-    """Each once crashed or misled: `abc` in the ini a traceback, 100000 a segfault, 2^31 a silent exit 1, -1
-    silently skipped tests. Now: exit 4 (pytest's usage error), one line naming the source and the range."""
+    """Exit 4 (pytest's usage error), one line naming the source and the range; unchecked, `abc` in the ini is a
+    traceback, 100000 a segfault, 2^31 a silent exit 1, and -1 silently skips tests."""
     (tmp_path / "test_x.py").write_text("def test_x(testbed_devices):\n    assert testbed_devices\n")
     run = (_pytest_in(tmp_path, f"--testbed-devices={value}") if where == "option"
            else _pytest_in(tmp_path, ini=value))

@@ -79,8 +79,8 @@ def _table(data: dict, name: str, min_m: int = 1) -> list[tuple[Gemm, float]]:
 
 def fit_fp8(path: Path | str = FP8_TABLE) -> dict:
     """fp8_efficiency and fp8_gemm_half_k fitted to the per-tensor fp8 table, the shipped values, in-sample and
-    leave-one-out errors, the blockwise share's fit (:func:`fit_blockwise`), and the old rule's (bf16's cap over the fp8
-    peak) on both."""
+    leave-one-out errors, the blockwise share's fit (:func:`fit_blockwise`), and under ``old_rule`` the unfitted
+    rule's (bf16's cap over the fp8 peak) on both."""
     data = yaml.safe_load(Path(path).read_text())
     topology = load_topology(data["topology"])
     rows = _table(data, "per_tensor")

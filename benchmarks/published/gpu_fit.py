@@ -1,8 +1,8 @@
 """The GPU compute calibration's sustained fraction, fitted per device generation over every published GPU step.
 
 The GPU topologies cap a matmul at mamf-finder's Maximum Achievable Matmul FLOPS (A100 0.859, H100 0.801 of
-the datasheet peak: one matmul shape at a time, for well under a second); every published GPU step is predicted
-faster than it ran (median +13% on A100, +30% on H100 before this fit). What a whole training step sustains is
+the datasheet peak: one matmul shape at a time, for well under a second); at that cap alone every published GPU
+step is predicted faster than it ran (median +13% on A100, +30% on H100). What a whole training step sustains is
 lower: clocks held down by the board's power and thermal limits over minutes (a matmul's speed depends on its
 power draw: Horace He, "Strangely, Matrix Multiplications on GPUs Run Faster When Given 'Predictable' Data",
 thonking.ai, 2024: 295 vs 257 TFLOP/s on an A100 for zeros vs randn, 13%), and compute-proportional work no

@@ -34,7 +34,7 @@ What ships is as few free values as the rows support: one efficiency per generat
 passes (:data:`PER_DEVICE_PASSES`: XLA fuses the elementwise work into the matmuls' neighbours; with the
 passes free the per-generation fit also chose 0). Least squares, not least absolute error: a one-value least
 absolute fit passes exactly through one of its rows, so with three v5p rows that disagree (the dense ones want
-0.85-0.92, Mixtral's megablox row 0.685) its in-sample error was 2.5 points under its leave-one-out error
+0.85-0.92, Mixtral's megablox row 0.685) its in-sample error is 2.5 points under its leave-one-out error
 (4.7% vs 7.2% median); least squares spreads the error over the rows it fits, and in-sample and left-out
 errors agree within a point (``--check`` exits 1 when runs.yaml's values are not the fit's).
 """

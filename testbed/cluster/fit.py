@@ -30,41 +30,8 @@ rows of :data:`FIT_MIN_BYTES` (4 KiB) and up by a grid over the three (for a
 given efficiency the time is a function of the two costs evaluated on their
 whole grid at once).
 
-Why each round's host cost hides under its wire: on a quiet host
-(``benchmarks/cluster_runs/run16.json``) a 64 KiB all-reduce at 100 Mb/s took 13.0 ms where its 4 KiB
-call, all host cost, took 6.7 ms and its wire alone is 9.6 ms: the sum (16.3
-ms) is 25% over, the longer of the two plus the call's own cost is not. Added
-(``form="added"``, kept for comparison, :func:`price_rows`) the
-4 KiB calls' costs overprice the 64 KiB calls at 100 Mb/s by 35-40%, which a
-fit from 64 KiB hides by leaving them out; hidden, the fit from 4 KiB is
-within 9.3% at every size held out by rate (``benchmarks/emulated_cluster.py``).
-On a loaded host the added form can hold more sizes: a round's host time
-there is mostly a wait for a core, which does not overlap the wire
-(docs/cluster.md, "Known limits").
-
-Why the reduce-scatter is timed (identifiability): a call's cost and a
-round's show together in the host-bound calls, ``call + rounds x round``,
-and the two rings alone give two round counts on 8 devices, 7 and 14: the
-call's cost is an intercept extrapolated from 7 rounds away, so a noise of
-1% in those two calls moves it by ~4.5% (the Gauss-Newton standard error of
-the log fit, ``tests/test_cluster_fit.py``), and where a 4 KiB round's wire
-outlasts its host cost (10 Mb/s) the rings hide the round's cost entirely,
-any value under the wire fitting alike. gloo's reduce-scatter has 4 rounds,
-each one send waited for, its host cost added to its wire: a third round
-count, nearer the intercept, that shows a round's cost at every rate; with
-its rows the call's standard error is 1.6-2x smaller and a round's hidden
-cost is recovered.
-
-Why the fit starts at 4 KiB (the cut-off, on principle): a parameter is
-fitted only from calls in which it shows. The per-round and per-call costs
-show in a call only where they outlast the wire; at 10 and 30 Mb/s that is
-the 4 KiB calls alone (a 64 KiB all-reduce there is 32-96 ms of wire against
-a host cost of about a millisecond a round), so a fit from 64 KiB leaves them
-unidentified (fitted as 0 at those rates) and carries nothing of them to
-another rate. ``calibrate --cluster`` times 4 KiB for that reason. Measurements that record
-no ``bucket_bytes`` were taken on links with a bucket of 1 ms of rate, which
-gave the links back the host's idle time, so their 4 KiB calls do not carry
-the larger ones' costs: they are fitted from 64 KiB (:func:`fit_from_bytes`).
+Why this form (each ring round's host cost hidden under its wire, the fit from 4 KiB, the reduce-scatter
+priced but not fitted) and the measurements behind it: docs/cluster.md, "Calibrating gloo's host costs".
 """
 
 from __future__ import annotations
@@ -84,7 +51,7 @@ __all__ = ["CAPPED_OPS", "FITTED_OPS", "FIT_MIN_BYTES", "fit_from_bytes", "FORMS
            "fit_host_costs", "costs_at_rate",
            "price_rows", "row_errors"]
 
-#: The smallest call the fit uses (see the module doc): ``calibrate --cluster``'s tiny call.
+#: The smallest call the fit uses (docs/cluster.md, "Calibrating gloo's host costs"): ``calibrate --cluster``'s tiny call.
 FIT_MIN_BYTES = 2**12
 #: How a round's host cost meets its wire: ``hidden`` under it (``max``, the simulator's for gloo's rings) or
 #: ``added`` (each round's host cost added to its wire; kept for comparison).
@@ -95,7 +62,7 @@ _CALLS = np.arange(121) * 2.5e-4  # 0 .. 30 ms a call
 
 #: Ops ``calibrate --cluster`` times only below a size (bytes), and the fit with ``capped=CAPPED_OPS`` takes only
 #: below it: the reduce-scatter's host-bound 4 KiB call, a third round count that would pin the split of a call's
-#: cost and a round's (the module doc) where its call costs what the rings' does (:data:`FITTED_OPS`); its larger calls took,
+#: cost and a round's (docs/cluster.md) where its call costs what the rings' does (:data:`FITTED_OPS`); its larger calls took,
 #: beyond their 4 KiB call, 1.7-3.6x their priced wire in the (loaded) runs that timed them
 #: (``cluster_runs/rs-probe-loaded.json``, docs/cluster.md), links idle for a reason not found yet, which would pull
 #: the links' efficiency the rings are scored on. They are reported, not fitted. ``{"reduce_scatter": 0}``: the
@@ -113,7 +80,7 @@ CAPPED_OPS: Mapping[str, int] = {"reduce_scatter": 2**16}
 FITTED_OPS: Mapping[str, int] = {"reduce_scatter": 0}
 
 #: Where the fit started for measurements that record no ``bucket_bytes``: taken on links with a bucket of 1 ms
-#: of rate, whose 4 KiB calls did not carry the larger calls' costs (the module doc).
+#: of rate, whose 4 KiB calls did not carry the larger calls' costs (docs/cluster.md).
 LEGACY_FIT_MIN_BYTES = 2**16
 
 

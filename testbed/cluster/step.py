@@ -24,17 +24,9 @@ and per-round costs; the loopback wire is next to nothing): the links add
 gloo's ring as the longer of its host cost and its wire
 (:mod:`testbed.collectives.gloo`: two segments in flight), so a call adds
 what its rounds' wire outlasts their host cost, nothing for a call whose
-wire is shorter. On a quiet run (steps run 15) that is within 7.1% at
-every step, both slow/fast ratios within 3%; with each round's host cost
-added to its wire instead, tp8 at 100 Mb/s is +18.2%, its ratio -11.0%
-(docs/cluster.md).
-
-A reading with each whole call's host part hidden under its wire (``max(U,
-T - U)`` a call, ``overlap``) holds only where the link's bucket is 1 ms of
-rate (steps runs 10-11): that bucket gives the links back up to 1 ms of the
-host's idle time per spell, which the reading stands in for. On the link as
-shaped it hides too much (tp8 at 100 Mb/s -28% to -42%), and
-``benchmarks/cluster_steps.py`` reports it beside.
+wire is shorter. Its errors, and those of the readings reported beside it
+(each round's host cost added; each whole call's host part hidden,
+``overlap``): docs/cluster.md, "Data- and tensor-parallel steps".
 
 Without the calls (or for comparison) the links are the simulator's plan
 step on the calibrated topology less its step unshaped, host costs added

@@ -44,12 +44,9 @@ class MultiNodeFit:
       sweep's (1-8 MiB) lie on one line of about 69 GB/s. The measured drop
       is larger than NCCL's table has it, so the two rates are fitted.
 
-    Five numbers (two efficiencies, a start-up ``a + b log2(nodes)``, one
-    LL128 cap for every node count) fitted the same cases to 5.8% / 34.1%
-    in-sample but 6.2% / 42.8% left out one at a time: the cap was held up
-    by one sweep's 8 MiB point. Three numbers, the cap falling as
-    ``ll128_busbw / log2(nodes)``, fitted them to 6.6% / 26.1% (left out
-    7.3% / 27.9%); these four fit 5.3% / 24.1% (left out 5.5% / 25.3%).
+    These four fit 5.3% / 24.1% (median / max; left out 5.5% / 25.3%); the
+    five- and three-number forms compared with them: docs/collectives.md,
+    "Across nodes: what NCCL's model leaves out".
     """
 
     nvls_tree_efficiency: float = 1.0

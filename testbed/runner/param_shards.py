@@ -229,13 +229,13 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...],
     gather depends on a cotangent (the link's when ``linked``: the next piece's, one piece ahead; else its own)
     and a residual (the shards plus zero times one element of each), so it runs in the backward and no
     common-subexpression pass can merge it with the forward's: XLA:CPU expands the barriers
-    ``jax.checkpoint`` places before its last CSE pass, which merged a rematerialised gather with the
+    ``jax.checkpoint`` places before its last CSE pass, which would merge a rematerialised gather with the
     forward's. A loss's cotangent is a constant, so there (``probe``, :meth:`ParamShards.apply` with
     ``loss``) each shard also reads one element of every leaf the forward gathered (one-element residuals):
     no combiner can then merge the backward's gather with the forward's, as a merge would depend on itself.
-    Read from the piece's input residual alone, the head's backward gather of its norm scale was ready with
-    that input and XLA's all-gather combiner (as testbed.sim.xla.combine) merged it into the head's forward
-    gather, which then waited for the whole forward instead of being prefetched during it. The cotangent
+    Read from the piece's input residual alone, the head's backward gather of its norm scale would be ready with
+    that input and XLA's all-gather combiner (as testbed.sim.xla.combine) would merge it into the head's forward
+    gather, which would then wait for the whole forward instead of being prefetched during it. The cotangent
     of ``link`` is zero times one element of this piece's own cotangent: the previous piece's gather may start
     as soon as this piece's backward does.
     """

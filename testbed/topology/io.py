@@ -162,7 +162,7 @@ def _device_count(count: int, field: str) -> int:
     return count
 
 
-#: The flat field names of earlier topology files -> where they live now (``calibration.GROUP.FIELD``).
+#: The legacy flat calibration field names a topology file may use -> their place (``calibration.GROUP.FIELD``).
 LEGACY_CALIBRATION_FIELDS = {
     "compute_efficiency": "compute.efficiency", "efficiency_half_flops": "compute.efficiency_half_flops",
     "launch_overhead_s": "compute.launch_overhead_s", "memory_efficiency": "memory.efficiency",

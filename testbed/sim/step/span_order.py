@@ -41,7 +41,7 @@ latency-hiding scheduler, testbed.sim.xla.overlap) hold:
   under sequence parallelism the reduce-scatter; without a tensor axis that span itself), not by the prefetch
   rule beside the head's backward (:attr:`BlockPlay.waits`, :attr:`BlockPlay.summed`). Side by side on the
   traced program (the final norm's backward, a few elementwise ops, between): TPU fsdp 32 x tensor 8 bf16
-  d_model 2048 seq 2048, traced 4.054 ms, the plan's gather 3.229 before, at the all-reduce's end 3.908 after.
+  d_model 2048 seq 2048, traced 4.054 ms, the plan's gather 3.908 at the all-reduce's end (3.229 by the prefetch rule).
 - The backward's loss gradient (the head's first span, a span of its own where the head's weight is gathered again
   for the backward: testbed.sim.step.block_spans) reads only the forward's logits, not the head's re-gathered weight
   (testbed.model.blocks.span_leaves): it runs beside the head's backward gather.

@@ -1,66 +1,39 @@
 """What XLA:TPU does to a step's collectives that the plan's own program does not say: rules keyed by the compiler.
 
 Each rule holds where the topology's device follows XLA:TPU (``device.buffer_rules: xla-tpu``) and is read from
-XLA:TPU's own compiles (libtpu 0.0.42): the probes of benchmarks/xla_tpu_probes/collectives.json and the recorded
-plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's collectives beside theirs).
+XLA:TPU's own compiles (libtpu 0.0.42): the probes of benchmarks/xla_tpu_probes/ and the recorded plans of
+benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's collectives beside theirs). The probes and
+recorded plans behind each rule: docs/xla_tpu.md, "XLA:TPU's collectives, probed".
 
-- **A reduce-scatter over a whole slice is an all-reduce** (:func:`scatters_as_allreduce`): the probes' reduce-scatters
-  over every chip of a v5e 4x4 or 8x8 slice (a 1-D or a 2-D mesh) and of a v5p 2x2x2 slice compile to all-reduces
-  of the whole buffer (the same bytes per device), merged by the all-reduce combiner (four 16 MiB inputs over 16 chips
-  into one; four 64 MiB inputs over 64 chips not); over part of a slice (4 or 8 of 16 chips, 16 of 64) and over
-  every chip of a v5e 2x4 slice they stay reduce-scatters (a v5e 2x2 slice's choice depends on the operand: not
-  modelled). The recorded fsdp plans over a whole slice agree: llama2k-fsdp8 (v5p 2x2x2), gpt2k-fsdp16-full
-  (v5e 4x4), llama2k-fsdp64 (v5e 8x8), gpt2k-fsdp256-full and llama1b-fsdp256-flash (v5e 16x16),
-  gpt2k-fsdp1024-full (v5p 8x8x16) reduce no gradient by a reduce-scatter, and llama2k-fsdp8's and
-  gpt2k-fsdp16-full's four gradient all-reduces are their leaves merged within the combiner's 120 MiB.
-- **The gradients' all-reduces are packed to the combiner's bound** (:func:`packs_allreduces`;
-  testbed.model.block_scatters' ``packed``, testbed.sim.xla.combine's ``packs`` for a traced program): XLA:TPU's all-reduce combiner walks them in the parameters' pytree order (the
-  optimizer's update reads them so: the embedding, the head, then the layers in order, each one's keys sorted), and
-  each merge takes every next gradient that still fits 120 MiB, passing over those that do not (left for the next
-  merge) rather than closing at the first; one over the bound alone is never merged. llama1b-fsdp256-flash (v5e
-  16x16, 16 layers): 14 gradient all-reduces, the two 131 MB tables alone, seven of exactly 120 MiB, the 33 norms'
-  scales in one (with the matrices the first merges passed over), the last layer's MLP matrices alone (69 MB), as
-  XLA:TPU's compiled HLO (issued in the order its schedule issues them but the last three); the backward's order
-  closing at the first misfit makes 15. The other whole-slice plans' 4 merges are the same under either rule.
-- **An fp32 loss rides in the gradients' all-reduce** (:func:`merges_loss`) where that is one over the loss's axes:
-  llama2k-fsdp16-fp32-selective's six fp32 fsdp all-reduces carry the loss's 4 bytes.
-- **A whole slice's all-gather of a small buffer is an all-reduce** (:func:`gather_allreduce_bytes`,
-  :func:`gather_lowering`): of the zero-padded buffer, the same bytes, merged by the all-reduce combiner as
-  testbed.model.gather_lowering says. The probes: over every chip of a v5e 8x8, 8x16 or 16x16 slice up to 16 MiB
-  (as the buffer's tiles hold it: 16.5 MiB not), of a v5p 4x4x4, 4x4x8 or 8x8x16 slice any size probed (to
-  256 MiB); over a v5e 4x4 or 4x8, a v5p 2x4x4 or 2x2x4, or part of a slice (64 or 16 of 256 chips, 16 of 64),
-  none. llama2k-fsdp64, gpt2k-fsdp256-full, gpt2k-fsdp1024-full equal XLA:TPU's collectives by it.
-- **Full remat gathers a layer's weights for its recomputation too** (:func:`regathers_for_recompute`): under
-  ``remat: full`` the backward of a layer gathers the leaves its recomputed forward reads, apart from the gathers
-  of the leaves its gradients read: every leaf of the layer but the MLP's output projection (``mlp/w2``,
-  ``mlp/b2``), whose output only joins the residual sum (the recomputation stops before it). gpt1k-fsdp4-full and
-  gpt2k-fsdp16-full: 63 fsdp all-gathers, 10 a layer more than the forward's and the backward's (the norms'
-  scales and shifts, ``attn/*``, ``mlp/w1``, ``mlp/b1``); llama4k-fsdp256-tensor4 and llama4k-fsdp64-tensor4-sp:
-  ``attn/wq``, ``attn/wkv``, ``attn/wo``, ``mlp/w1`` and ``mlp/w3`` once more a layer.
-- **Under fp32 the weight matrices are gathered in bf16** (:func:`narrows_gathers`, :func:`matmul_gather_bytes`): a matmul of the default
-  precision reads its fp32 operands rounded to bf16 (one pass), and XLA:TPU rounds a gathered weight read only by
-  matmuls before its all-gather, so the gather moves half the bytes (testbed.model.blocks.narrowed: every weight
-  matrix of a layer, the head's in the backward). The norms' scales stay fp32 (elementwise), and so do the token
-  table (a lookup) and the head's forward gather, whose gathered copy the loss's piece also reads
-  (testbed.runner.param_shards' corner for its backward gather). llama2k-fsdp16-fp32-selective (v5e 4x4) and
-  llama2k-fsdp4-fp32 (v5e 2x2): 37 fsdp all-gathers, the tables' 262 MB twice and the head's 131 MB once, the
-  layers' matrices (``attn/wq`` 8.4 MB, ``attn/wkv`` 4.2 MB, ``mlp/w1`` 22 MB) at 2 bytes, the norms' 8 KB at 4.
-- **So are fp32 activations only matmuls read** (:func:`sequence_gather_bytes`): benchmarks/xla_tpu_narrowing.py's
-  probes (v5e 2x2) compile an fp32 activation's all-gather every reader of which is a default-precision matmul to a
-  bf16 all-gather, as a weight's, and one an elementwise op reads too to an f32 one. Sequence parallelism's
-  all-gathers (testbed.sim.step.action_work.tensor_transfers) are read by matmuls but for the embedding backward's (the
-  lookup's cotangent, which the table's scatter-add reads) and the position table's gradient's.
-
-- **Rank-1 gathers and reduce-scatters are all-reduces** (:func:`vector_gather_lowers`, :func:`lowers_vectors`):
-  benchmarks/xla_tpu_probes/vectors.json (benchmarks/xla_tpu_vectors.py, 80 compiles) all-reduces every rank-1
-  reduce-scatter, and every rank-1 all-gather whose shard is not whole 128-lane rows (64 or 96 elements a device;
-  128 and 256 stay all-gathers), over whole v5e 2x2 and 4x4 and v5p 2x2x2 slices and over part of v5e 4x4 and 8x8
-  ones, bf16 and fp32, merged by the all-reduce combiner. A plan's rank-1 leaves (norms, biases) and those held flat
-  (ParamSpec.padded: ``attn/bqkv`` under tensor parallelism) follow it: their gathers merged as the whole slice's
-  small gathers are (testbed.model.gather_lowering), their gradients' reduce-scatters one all-reduce at the
-  backward's end (testbed.model.block_scatters.scatter_ops). Every recorded plan's fsdp all-gathers equal XLA:TPU's by it
-  (llama4k-fsdp256-tensor4: 51 all-gathers to 37 and four all-reduces of the norms, 16 elements a device), and
-  llama2k-fsdp4-tensor4-sp's and gpt2k-fsdp8-tensor8-sp's fsdp collectives all.
+- :func:`scatters_as_allreduce`: a reduce-scatter over every chip of a v5e 4x4 or 8x8 slice (a 1-D or a 2-D mesh)
+  or of a v5p 2x2x2 slice is an all-reduce of the whole buffer (the same bytes per device), merged by the
+  all-reduce combiner; over part of a slice and over every chip of a v5e 2x4 slice it stays a reduce-scatter (a
+  v5e 2x2 slice's choice depends on the operand: not modelled).
+- :func:`packs_allreduces` (testbed.model.block_scatters' ``packed``, testbed.sim.xla.combine's ``packs``): the
+  gradients' all-reduces are walked in the parameters' pytree order and each merge takes every next gradient that
+  still fits 120 MiB, passing over those that do not; one over the bound alone is never merged.
+- :func:`merges_loss`: an fp32 loss rides in the gradients' all-reduce where that is one over the loss's axes.
+- :func:`gather_allreduce_bytes`, :func:`gather_lowering`: a whole slice's all-gather of a small buffer is an
+  all-reduce of the zero-padded buffer, merged by the all-reduce combiner as testbed.model.gather_lowering says:
+  over every chip of a v5e 8x8, 8x16 or 16x16 slice up to 16 MiB (as the buffer's tiles hold it), of a v5p 4x4x4,
+  4x4x8 or 8x8x16 slice any size probed (to 256 MiB); over a v5e 4x4 or 4x8, a v5p 2x4x4 or 2x2x4, or part of a
+  slice, none.
+- :func:`regathers_for_recompute`: under ``remat: full`` a layer's backward gathers the leaves its recomputed
+  forward reads, apart from those its gradients read: every leaf but ``mlp/w2`` and ``mlp/b2``, whose output only
+  joins the residual sum (the recomputation stops before it).
+- :func:`narrows_gathers`, :func:`matmul_gather_bytes`: under fp32 a weight read only by default-precision matmuls
+  is gathered in bf16 (testbed.model.blocks.narrowed: every weight matrix of a layer, the head's in the backward);
+  the norms' scales, the token table and the head's forward gather (whose copy the loss's piece also reads:
+  testbed.runner.param_shards' corner) stay fp32.
+- :func:`sequence_gather_bytes`: so is an fp32 activation every reader of which is a default-precision matmul
+  (benchmarks/xla_tpu_narrowing.py): sequence parallelism's all-gathers (testbed.sim.step.action_work
+  .tensor_transfers) but the embedding backward's (the lookup's cotangent) and the position table's gradient's.
+- :func:`vector_gather_lowers`, :func:`lowers_vectors`: a rank-1 reduce-scatter, and a rank-1 all-gather whose
+  shard is not whole 128-lane rows (64 or 96 elements a device; 128 and 256 stay all-gathers), is an all-reduce
+  over a whole slice or part of one, merged by the all-reduce combiner (benchmarks/xla_tpu_vectors.py). A plan's
+  rank-1 leaves and those held flat (ParamSpec.padded) follow it: their gathers merged as the whole slice's small
+  gathers are, their gradients' reduce-scatters one all-reduce at the backward's end
+  (testbed.model.block_scatters.scatter_ops).
 
 A traced program (testbed.sim.graph.traced) follows the gather rules by the same functions (:func:`lowered_gathers`:
 :func:`gather_element_bytes` for a gather every reader of which is a matmul, :func:`lowering_of` and
