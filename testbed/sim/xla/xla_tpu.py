@@ -51,6 +51,24 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   all-gathers (testbed.sim.step.action_work.tensor_transfers) are read by matmuls but for the embedding backward's (the
   lookup's cotangent, which the table's scatter-add reads) and the position table's gradient's.
 
+- **A checkpoint's recomputed activation gathers are kept** (:func:`keeps_recomputed_gathers`): where a checkpoint
+  recomputes the layers (selective or full remat, or fsdp's per-piece checkpoint), XLA:TPU gathers each of the
+  forward's all-gathers of an activation again in the backward (the compiled instructions' ``op_name``
+  ``rematted_computation``: JAX's checkpoint puts the recomputation's inputs behind an optimization barrier), where
+  XLA:CPU's common-subexpression elimination reuses the forward's (testbed.runner.program.evaluate); the runner's
+  sequence-parallel column maps are such a checkpoint under any remat (testbed.runner.parallel). The recorded
+  plans (benchmarks/xla_tpu/): gpt1k-tensor4-sp-selective 16 tensor all-gathers, the forward's 5 gathered again on
+  11, llama4k-fsdp64-tensor4-sp (full remat) 19 against 14, and 5 of the 8 more of llama2k-fsdp4-tensor4-sp and
+  gpt2k-fsdp16-tensor4-sp; a parameter's gather is not gathered again (llama4k-fsdp64-tensor4-sp: 37 fsdp
+  all-gathers, each parameter's once per use). A plan's sequence all-gathers (:func:`regathers_sequence`,
+  testbed.sim.step.action_work.tensor_transfers' ``regather``) and a traced program's (:func:`regathered`: an
+  all-gather of a value the step computed that a recomputation reads, ``TracedOp.again``) follow it. Those gathers
+  run blocking, in program order with the compute: of the recorded v5e plans' backward sequence all-gathers (the
+  cotangents' and the recomputation's, the forward's five being the asynchronous ones) XLA:TPU runs 8 of 10
+  (gpt1k-tensor4-sp-selective), 10 of 13 (llama2k-fsdp4-tensor4-sp), 10 of 14 (gpt2k-fsdp16-tensor4-sp) and 9 of 14
+  (llama4k-fsdp64-tensor4-sp) as plain ops, every one on v5p: the plan plays them on its blocking tensor chain,
+  the traced tier holds the compute for them (``TracedOp.held``), where its other v5e all-gathers run beside it.
+
 - **Rank-1 gathers and reduce-scatters are all-reduces** (:func:`vector_gather_lowers`, :func:`lowers_vectors`):
   benchmarks/xla_tpu_probes/vectors.json (benchmarks/xla_tpu_vectors.py, 80 compiles) all-reduces every rank-1
   reduce-scatter, and every rank-1 all-gather whose shard is not whole 128-lane rows (64 or 96 elements a device;
@@ -86,7 +104,8 @@ from testbed.topology.spec import Topology
 if TYPE_CHECKING:
     from testbed.sim.xla.workload import Workload
 
-__all__ = ["scatters_as_allreduce", "packs_allreduces", "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
+__all__ = ["scatters_as_allreduce", "packs_allreduces", "keeps_recomputed_gathers", "regathers_sequence", "regathered",
+           "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
            "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
            "sequence_gather_bytes",
            "gather_element_bytes", "lowered_gathers",
@@ -114,6 +133,23 @@ def packs_allreduces(topology: Topology) -> bool:
     taking every next one that still fits in the parameters' pytree order (module docstring): where
     :func:`scatters_as_allreduce` (the recorded evidence: whole XLA:TPU slices)."""
     return scatters_as_allreduce(topology)
+
+
+def keeps_recomputed_gathers(topology: Topology) -> bool:
+    """Whether a checkpoint's recomputation gathers the forward's activations again rather than reuse the forward's
+    all-gathers (module docstring): XLA:TPU's rule, both tiers' (:func:`regathers_sequence`, :func:`regathered`)."""
+    return topology.device.buffer_rules == "xla-tpu"
+
+
+def regathers_sequence(plan: Plan, xla_tpu: bool) -> bool:
+    """Whether the backward gathers each of the forward's sequence-parallel all-gathers again (module docstring):
+    where :func:`keeps_recomputed_gathers` (``xla_tpu``; the same test as :func:`narrows_gathers`, whose flag the
+    plan's action facts carry), with sequence parallelism over 2+ tensor ranks. The runner's column-parallel maps
+    run in a checkpoint that keeps only the sequence shard (testbed.runner.parallel.SequenceShards.column, as
+    Megatron gathers again for the weight gradient), so every such step's backward reads its gathers through a
+    checkpoint's barrier, with or without remat: the recorded plans hold them under selective and full remat and
+    under fsdp without remat (gpt2k-fsdp16-tensor4-sp, gpt2k-fsdp8-tensor8-sp)."""
+    return xla_tpu and plan.sequence_parallel and plan.mesh.tensor > 1
 
 
 def lowered_reductions(reductions: tuple, mesh: MeshSpec, whole_slice: bool) -> tuple:
@@ -257,6 +293,42 @@ def lowered_gathers(workload: "Workload", topology: Topology) -> "Workload":
         ops[i] = op
     ops_t = tuple(ops)
     return replace(workload, ops=ops_t) if ops_t != workload.ops else workload
+
+
+def regathered(workload: "Workload", topology: Topology) -> "Workload":
+    """A traced program's ``workload`` with, where :func:`keeps_recomputed_gathers`, each all-gather of a value the
+    step computed (one with ``deps``; a parameter's is reused) that a checkpoint's recomputation reads
+    (``TracedOp.again``) issued again just before the first such reader, once what that reader's optimization barrier
+    waits for is done (``TracedOp.barrier``: XLA schedules nothing behind a barrier before it), those readers reading
+    the copy, and held (``TracedOp.held``: it runs blocking, module docstring); elsewhere the forward's read, as traced.
+    Every op's ``again`` and ``barrier`` are spent (empty) in the result: the passes after this one
+    (testbed.sim.xla.combine, overlap) renumber the ops without them. It runs after testbed.sim.xla.xla_tpu's
+    gather lowering (:func:`lowered_gathers`), whose narrowing reads each gather's readers by data flow: a copy's
+    barrier is no reader of what it waits for."""
+    ops = workload.ops
+    readers: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        for f in op.again:
+            if ops[f].kind is OpKind.COLLECTIVE and ops[f].collective == "all_gather" and ops[f].deps:
+                readers.setdefault(f, []).append(i)
+    if not any(op.again for op in ops):
+        return workload
+    before: dict[int, list[int]] = {}
+    for f, rs in (readers.items() if keeps_recomputed_gathers(topology) else ()):
+        before.setdefault(rs[0], []).append(f)
+    index: dict[int, int] = {}
+    again: dict[int, int] = {}  # forward gather -> its copy's index
+    out: list = []
+    for i, op in enumerate(ops):
+        for f in sorted(before.get(i, ())):
+            again[f] = len(out)
+            wall = set(ops[f].deps) | set(ops[i].barrier)
+            out.append(replace(ops[f], deps=tuple(sorted(index[d] for d in wall)), again=(), barrier=(), held=True))
+        index[i] = len(out)
+        copied = {d for d in op.again if d in again}
+        out.append(replace(op, deps=tuple(sorted(again[d] if d in copied else index[d] for d in op.deps)), again=(),
+                           barrier=()))
+    return replace(workload, ops=tuple(out))
 
 
 def regathers_for_recompute(topology: Topology) -> bool:
