@@ -32,7 +32,9 @@ plan-driven simulation") names the misses and their known causes.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,12 +45,14 @@ from testbed.model.activations import LOSS_BYTES
 from testbed.model.costs import chunk_cost, param_count
 from testbed.model.spans import SOFTMAX_PASSES, action_spans
 from testbed.model.blocks import SHARE_QUANTUM
+from testbed.plan.io import plan_from_dict
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.runner.program.plans import trace_plan
 from testbed.sim.graph.engine import simulate
 from testbed.sim.graph.tasks import TaskKind
 from testbed.sim.graph.traced import collective_bytes, compiled_collectives, simulate_workload, workload_program
+from testbed.topology.compile_target import parse_target, target_topology
 from testbed.topology.io import load_topology
 
 from helpers import with_xla_merges
@@ -401,6 +405,29 @@ def test_fp32_sequence_gathers_only_matmuls_read_move_bf16_on_both_tiers(remat: 
     whole = 4 * model.seq_len * model.d_model  # one fp32 [tokens, d_model] buffer
     assert gathers(planned.program) == gathers(traced.program)
     assert gathers(planned.program).count(whole) == 2  # the embedding backward's and the position table's
+
+
+def test_both_tiers_gather_a_checkpoints_recomputed_sequence_again_as_xla_tpu_does() -> None:
+    """gpt1k-tensor4-sp-selective on a v5e 2x2 slice (benchmarks/xla_tpu/): XLA:TPU's compiled step has 16 tensor
+    all-gathers, the forward's 5 gathered again for the checkpoint's recomputation (testbed.sim.xla.xla_tpu.
+    keeps_recomputed_gathers); the traced tier issues them again (regathered) and the plan counts them
+    (regathers_sequence), 16 each, the traced copies held with the compute (TracedOp.held); under XLA:CPU's rules the
+    traced step reuses the forward's (11)."""
+    record = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "xla_tpu"
+                         / "gpt1k-tensor4-sp-selective.json").read_text())
+    plan, topology = plan_from_dict(record["plan"]), target_topology(parse_target(record["target"]))
+    xla = next(r["count"] for r in record["report"]["per_axis"] if (r["axes"], r["kind"]) == ("tensor", "all-gather"))
+    workload = trace_plan(plan)
+
+    def gathers(tasks) -> int:
+        return sum(t.count for t in tasks if t.kind is TaskKind.COLLECTIVE and t.op == "all_gather" and t.group[0] == 0)
+
+    traced = simulate_workload(workload, topology).program.tasks
+    as_cpu = workload_program(compiled_collectives(workload, _program_dtypes(topology)), topology).tasks
+    assert gathers(traced) == gathers(simulate(plan, topology).program.tasks) == xla == 16
+    assert gathers(as_cpu) == 11
+    held = [op for op in compiled_collectives(workload, topology).ops if op.held]  # the copies run blocking
+    assert len(held) == 5 and {op.collective for op in held} == {"all_gather"}
 
 
 @pytest.mark.parametrize(("topology", "devices", "d_model", "seq_len"), [

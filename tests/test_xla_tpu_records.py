@@ -175,21 +175,18 @@ def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
 #: the weight matrices are gathered in bf16; a whole slice's all-gather of a small buffer (any on a v5p slice) is an
 #: all-reduce, merged by the all-reduce combiner (testbed.model.gather_lowering); a rank-1 gather of a shard not whole
 #: 128-lane rows and every rank-1 reduce-scatter are merged all-reduces (xla_tpu.vector_gather_lowers); a whole
-#: slice's gradient all-reduces are packed to the bound (xla_tpu.packs_allreduces).
+#: slice's gradient all-reduces are packed to the bound (xla_tpu.packs_allreduces); with sequence parallelism a
+#: checkpoint's recomputed sequence all-gathers are kept (xla_tpu.regathers_sequence).
 FSDP = ("fsdp: XLA:TPU all-reduces some matrices' gradients whole (padded, with collective-permutes, over a 2x2 "
         "slice or 8 of 64 chips) where they stay reduce-scatters over part of a slice and merges HSDP's data "
-        "all-reduces; with "
-        "sequence parallelism it gathers the recomputed activations again and merges the tensor-replicated "
-        "gradients' sums")
+        "all-reduces; with sequence parallelism at tensor 4 it gathers three backward cotangents again (at tensor "
+        "8 on a v5p slice one gather fewer) and merges the tensor-replicated gradients' sums")
 #: The recorded fsdp plans whose collectives equal XLA:TPU's by testbed.sim.xla.xla_tpu's rules.
 FSDP_EQUAL = ("llama2k-fsdp8", "gpt2k-fsdp16-full", "llama2k-fsdp16-fp32-selective", "llama2k-fsdp64",
               "gpt2k-fsdp256-full", "gpt2k-fsdp1024-full", "llama1b-fsdp256-flash")
-SP_SELECTIVE = ("sequence parallelism with selective remat: XLA:TPU keeps the checkpoint's recomputed "
-                "all-gathers of the activations (16 tensor all-gathers against 11)")
 #: The recorded multi-chip plans whose collectives per mesh axis differ from XLA:TPU's, by mechanism.
 COLLECTIVES_APART = {
     **{r.name: FSDP for r in MULTI if r.plan.mesh.fsdp > 1 and r.name not in FSDP_EQUAL},
-    "gpt1k-tensor4-sp-selective": SP_SELECTIVE,
 }
 
 
@@ -228,6 +225,17 @@ def test_whole_slice_gathers_of_small_buffers_are_merged_all_reduces():
         assert mine["fsdp all-reduce"]["count"] == reduces, name
     mine, xla = (rows["llama1b-fsdp256-flash"][f"{side}_collectives"] for side in ("predicted", "xla"))
     assert mine == xla and xla["fsdp all-gather"]["count"] == 99 and xla["fsdp all-reduce"]["count"] == 27
+
+
+def test_a_checkpoints_recomputed_sequence_gathers_are_kept():
+    """With sequence parallelism XLA:TPU gathers each of the forward's sequence all-gathers again in the backward, which
+    reads them through the checkpoint of the runner's column-parallel maps (testbed.sim.xla.xla_tpu.regathers_sequence):
+    the tensor all-gathers equal XLA:TPU's under selective remat (gpt1k-tensor4-sp-selective, 16: 5 a step more) and
+    under full remat with fsdp (llama4k-fsdp64-tensor4-sp, 19)."""
+    rows = {r["plan"]: r for r in ROWS}
+    for name, count in (("gpt1k-tensor4-sp-selective", 16), ("llama4k-fsdp64-tensor4-sp", 19)):
+        gathers = [rows[name][f"{side}_collectives"]["tensor all-gather"] for side in ("predicted", "xla")]
+        assert gathers[0] == gathers[1] and gathers[0]["count"] == count, (name, gathers)
 
 
 def test_fp32_plans_gather_weight_matrices_in_bf16():

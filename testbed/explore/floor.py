@@ -104,7 +104,8 @@ def placed_floor(plan: Plan, topology: Topology) -> float:
     their tensor collectives among their blocks, or no step floor). A chunk holding the embedding keeps the bound (its
     backward may merge the embedding's gathers into the gradient sums: testbed.sim.step.grad_bytes). The transfers are
     :func:`testbed.sim.step.action_work.action_work`'s, the loss's at its fewest bytes, as the estimate's or fewer (the
-    sequence's gathers as the compiler narrows them: testbed.sim.xla.xla_tpu.sequence_gather_bytes).
+    sequence's gathers as the compiler narrows them: testbed.sim.xla.xla_tpu.sequence_gather_bytes; without the
+    backward's sequence gathers again, testbed.sim.xla.xla_tpu.regathers_sequence: fewer transfers, still a bound).
     Memoized per topology on :func:`floor_key` and the mesh (what the placement follows)."""
     return memoized(topology, "placed_floor", (floor_key(plan), plan.mesh), lambda: _placed_floor(plan, topology))
 

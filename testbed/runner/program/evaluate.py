@@ -10,7 +10,7 @@ Which ops move HBM bytes follows testbed.runner.program.compile's fusion approxi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from testbed.runner.program.compile import Block, Compiled, Node
 from testbed.sim.xla.workload import OpKind, TracedOp
@@ -39,6 +39,12 @@ class _Val:
     #: Computed from constants and index generators alone (a causal mask's iota, compare and select): XLA
     #: fuses such a chain into each of its consumers, recomputing it in registers, so it is never in HBM.
     constant: bool = False
+    #: The collectives (op indices) whose result this value is as a checkpoint's recomputation reads it: the same
+    #: collective of the same values behind an optimization barrier, which the CSE merged (``TracedOp.again``).
+    again: frozenset = frozenset()
+    #: Out of an optimization barrier: the ops the barrier waits for (its operands' producers), and so a
+    #: recomputation behind it (``TracedOp.barrier``).
+    wall: frozenset = frozenset()
 
 
 _EMPTY = _Val(frozenset(), False, 0)
@@ -63,6 +69,7 @@ class _Emitter:
         self.scope = self.scopes = 0  # one per loop iteration walked: XLA runs a while body's collectives each time
         self.loops: list[tuple[int, ...]] = []  # each unrolled loop's iterations (their scopes), in order
         self.returned = _returned(compiled.entry)  # values the step returns: written to HBM even if constant
+        self.behind: dict[int, tuple] = {}  # id of a value out of an optimization barrier -> (it, the value in)
 
     def sinks(self, block: Block) -> frozenset:
         """Values of ``block`` that a HBM-reading consumer (or the terminator) reads, through passthroughs."""
@@ -77,7 +84,13 @@ class _Emitter:
             self.sunk[key] = frozenset(out)
         return self.sunk[key]
 
-    def add(self, op: TracedOp) -> frozenset:
+    def add(self, op: TracedOp, values: list | None = None) -> frozenset:
+        """Emit ``op``; its ``again``: the recomputed collectives ``values`` (its operands) read that it depends on, and
+        ``barrier``: what their optimization barrier waits for."""
+        again = frozenset().union(*(v.again for v in values or ())) & set(op.deps)
+        if again:
+            wall = frozenset().union(*(v.wall for v in values if v.again & again))
+            op = replace(op, again=tuple(sorted(again)), barrier=tuple(sorted(wall)))
         self.barriers += op.kind is not OpKind.MEMORY
         self.ops.append(op)
         return frozenset((len(self.ops) - 1,))
@@ -105,12 +118,13 @@ class _Emitter:
         elif kind == "passthrough":
             sources = node.operands if len(node.operands) == len(node.results) else \
                 node.operands[:1] * len(node.results)
+            wall = self.deps(node.operands) if node.name == "stablehlo.optimization_barrier" else None
             for r, o in zip(node.results, sources):
-                env[r] = env.get(o, _EMPTY)
+                env[r] = env.get(o, _EMPTY) if wall is None else self.barrier(env.get(o, _EMPTY), wall)
         elif kind == "gemm":
             ids = self.add(TracedOp(name=node.name.split(".")[-1], kind=OpKind.GEMM, deps=tuple(sorted(
                 self.deps(node.operands))), flops=node.flops, gemms=(node.gemm,), count=self.count,
-                iteration=self.scope))
+                iteration=self.scope), [env.get(o, _EMPTY) for o in node.operands])
             for r, w in zip(node.results, node.writes):
                 env[r] = _Val(ids, True, w)
         elif kind == "collective":
@@ -137,26 +151,44 @@ class _Emitter:
         partitioner's reshards of one value alike are one (its per-value reshard cache,
         ``PartitionedHlo::Reshard``: an FSDP step's input gradient all-to-all'd once for its two users)."""
         vals = [self.env.get(o, _EMPTY) for o in node.operands]
-        key = (self.scope, node.collective, node.reducer, node.channel, tuple(node.writes), tuple(map(id, vals)))
+        key = (self.scope, node.collective, node.reducer, node.channel, tuple(node.writes), self.identities(vals))
         if vals and not any(v == _EMPTY or v.constant for v in vals) and key in self.computed:
-            for r, v in zip(node.results, self.computed[key][1]):
-                self.env[r] = v
+            earlier, out = self.computed[key]
+            recomputed = any(a is not b for a, b in zip(vals, earlier))  # one side behind a checkpoint's barrier
+            for r, v in zip(node.results, out):
+                self.env[r] = replace(v, again=v.deps, wall=frozenset().union(*(x.wall for x in vals))) \
+                    if recomputed else v
             return
         op, axes, group, nbytes, element, vector = node.collective
         ids = self.add(TracedOp(name=f"{op} {'+'.join(axes) or '-'}", kind=OpKind.COLLECTIVE,
                                 deps=tuple(sorted(self.deps(node.operands))), collective=op, axes=tuple(axes),
                                 group=group, nbytes=float(nbytes), element=element, count=self.count,
-                                iteration=self.scope, vector=vector))
+                                iteration=self.scope, vector=vector), vals)
         out = [_Val(ids, True, w) for w in node.writes]
         for r, v in zip(node.results, out):
             self.env[r] = v
         if key is not None:
             self.computed[key] = (vals, out)  # the operands kept alive: their ids stay theirs
 
+    def barrier(self, value: _Val, wall: frozenset) -> _Val:
+        """``value`` out of an optimization barrier that waits for ``wall`` (JAX's checkpoint puts one before a
+        recomputation): a value of its own, the same to the CSE (:meth:`identities`), whose collectives
+        :meth:`collective` marks as recomputed."""
+        if value == _EMPTY or value.constant:
+            return value
+        inner = self.behind.get(id(value), (value, value))[1]
+        out = replace(inner, wall=wall)
+        self.behind[id(out)] = (out, inner)
+        return out
+
+    def identities(self, values: list) -> tuple[int, ...]:
+        """What XLA:CPU's CSE tells ``values`` apart by: each one's identity, through optimization barriers."""
+        return tuple(id(self.behind.get(id(v), (v, v))[1]) for v in values)
+
     def once(self, node: Node, sunk: frozenset) -> None:
         """A static slice, or nothing when the same slice of the same values ran before in this scope (XLA's CSE)."""
         vals = [self.env.get(o, _EMPTY) for o in node.operands]
-        key = (self.scope, node.name, node.attributes, tuple(map(id, vals)))
+        key = (self.scope, node.name, node.attributes, self.identities(vals))
         if key in self.computed:
             for r, v in zip(node.results, self.computed[key][1]):
                 self.env[r] = v
@@ -189,10 +221,14 @@ class _Emitter:
         if reads + writes > 0:
             deps = self.add(TracedOp(name=node.name.split(".")[-1], kind=OpKind.MEMORY, deps=tuple(sorted(deps)),
                                      hbm_bytes=float(reads + writes), count=self.count,
-                                     iteration=self.scope))
+                                     iteration=self.scope), vals)
+            again = wall = frozenset()
+        else:  # fused into its readers: they read what it reads
+            again = frozenset().union(*(v.again for v in vals))
+            wall = frozenset().union(*(v.wall for v in vals if v.again))
         for r, w, k, root in zip(node.results, node.writes, kept, node.roots):
             env[r] = _Val(deps, k, w if k else 0, fused if not root else frozenset(),
-                          self.barriers if k and not root else -1)
+                          self.barriers if k and not root else -1, again=again, wall=wall)
 
     def structure(self, node: Node) -> None:
         """Loops, conditionals, shard_map bodies and calls: their blocks run with the node's operands."""

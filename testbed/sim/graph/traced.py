@@ -28,7 +28,7 @@ from testbed.sim.report.timeline import Report, Timeline
 from testbed.sim.graph.traced_graph import collective_bytes, convert_bytes, mesh_groups, repeat_gemm, workload_program
 from testbed.sim.xla.workload import OpKind, Workload, element_bytes
 from testbed.sim.xla.xla_tpu import (lowered_gathers, lowered_scatters, lowers_vectors, packs_allreduces,
-                                    scatters_as_allreduce)
+                                    regathered, scatters_as_allreduce)
 from testbed.topology import Topology
 
 #: The task graph's names (testbed.sim.graph.traced_graph) are importable from here too: this is the traced tier's API.
@@ -154,10 +154,11 @@ def device_collectives(workload: Workload, topology: Topology) -> Workload:
 def compiled_collectives(workload: Workload, topology: Topology) -> Workload:
     """``workload``'s collectives as the topology's compiler moves them, before its combiners merge them: in its
     element type (:func:`device_collectives`), a whole slice's reduce-scatters and XLA:TPU's all-gathers lowered
-    (testbed.sim.xla.xla_tpu.lowered_scatters, lowered_gathers). The first step of :func:`simulate_workload`."""
+    (testbed.sim.xla.xla_tpu.lowered_scatters, lowered_gathers), a checkpoint's recomputed activation gathers issued
+    again where XLA:TPU keeps them (testbed.sim.xla.xla_tpu.regathered). The first step of :func:`simulate_workload`."""
     moved = lowered_scatters(device_collectives(workload, topology), scatters_as_allreduce(topology),
                              lowers_vectors(topology))
-    return lowered_gathers(moved, topology)
+    return regathered(lowered_gathers(moved, topology), topology)
 
 
 def simulate_workload(workload: Workload, topology: Topology, device_ids: np.ndarray | None = None

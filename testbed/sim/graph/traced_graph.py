@@ -27,7 +27,8 @@ Dependencies are the program's data flow: a collective waits for the segments th
 operand, a segment for the collectives whose results it reads. A collective whose result is needed
 later overlaps the compute in between, as XLA's asynchronous collectives do; one that the next op
 needs blocks. Where the device's compiler runs a collective's kind as a blocking op in program order
-(:meth:`~testbed.topology.parts.DeviceSpec.blocking_collectives`: every kind on XLA:CPU, all-reduces on XLA:TPU)
+(:meth:`~testbed.topology.parts.DeviceSpec.blocking_collectives`: every kind on XLA:CPU, all-reduces on XLA:TPU),
+and for a collective it holds (``TracedOp.held``: XLA:TPU's gathers issued again, testbed.sim.xla.xla_tpu.regathered),
 each such collective waits for the compute issued before it and the compute after it waits for the collective. With a controller calibration the host prepares the step and dispatches the one program;
 a ``lax.scan``'s iterations run one after another (:func:`_iteration_begins`).
 
@@ -90,7 +91,7 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
                                                graph.previous)
         if op.kind is OpKind.COLLECTIVE:
             graph.close()
-            blocking = op.collective in blocking_kinds
+            blocking = op.collective in blocking_kinds or op.held
             if blocking and graph.b.tasks:  # it waits for the compute (and blocking collectives) issued before it ...
                 graph.previous = _last_blocking(graph.b.tasks, blocking_kinds)
             graph.collective(i)

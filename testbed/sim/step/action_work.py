@@ -15,7 +15,7 @@ __all__ = ["action_work", "tensor_transfers"]
 
 
 def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat, max_bytes: float = 4.0, matmul_gather: int = 0,
-                ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int, int], ...]]:
+                regather: bool = False) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int, int], ...]]:
     """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor collectives) of one action, one microbatch.
 
     The backward writes about twice the forward's activation traffic (the
@@ -26,7 +26,7 @@ def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat, max_bytes
     selective remat redoes no all-reduce. The tensor collectives are
     ``(op, count, bytes each)`` from :func:`tensor_transfers`
     (all-reduces, or with sequence parallelism all-gathers and reduce-scatters; the loss's all-reduces;
-    ``matmul_gather``: its argument).
+    ``matmul_gather``, ``regather``: its arguments).
     """
     forward = cost.forward_traffic
     if kind == "F":
@@ -37,12 +37,13 @@ def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat, max_bytes
         hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
         times = 1 if split else 2
         traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
-        return float(flops), float(hbm), traffic, tensor_transfers(cost, "B", remat, matmul_gather=matmul_gather)
+        return float(flops), float(hbm), traffic, tensor_transfers(cost, "B", remat, matmul_gather=matmul_gather,
+                                                                   regather=regather)
     return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), ()
 
 
 def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str, max_bytes: float = 4.0, matmul_gather: int = 0,
-                     ) -> tuple[tuple[str, int, int], ...]:
+                     regather: bool = False) -> tuple[tuple[str, int, int], ...]:
     """``(op, count, bytes each)`` of the tensor collectives of one action, the one decision the task graph
     and the analytic tier read (through :class:`ActionWork`): :meth:`ChunkCost.tensor_collectives`
     (``tensor_allreduce_bytes`` each); the head's forward's vocab-parallel loss, three all-reduces of one
@@ -53,7 +54,10 @@ def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str, max_bytes: 
     reduces it in fp32; the logits' dtype where the compiler reduces bf16 natively, testbed.sim.step.facts).
     ``matmul_gather``: bytes of each sequence all-gather only matmuls read, every one but the embedding backward's
     (its cotangent feeds the table's scatter-add), where the compiler narrows it (testbed.sim.xla.xla_tpu.
-    sequence_gather_bytes; 0: ``tensor_allreduce_bytes``); the embedding's is listed first."""
+    sequence_gather_bytes; 0: ``tensor_allreduce_bytes``); the embedding's is listed first. ``regather``: the
+    backward gathers each of the forward's sequence all-gathers again, of its bytes, after the others but the position
+    table's gradient gather, which stays last (testbed.sim.xla.xla_tpu.regathers_sequence: XLA:TPU keeps a
+    checkpoint's recomputed gathers)."""
     nbytes = cost.tensor_allreduce_bytes
     out: list[tuple[str, int, int]] = []
     for op, count in cost.tensor_collectives(kind, remat):
@@ -65,6 +69,9 @@ def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str, max_bytes: 
     if kind == "F" and cost.loss_allreduce_bytes:
         merged = cost.loss_allreduce_bytes + int(cost.loss_allreduce_bytes * max_bytes / LOSS_BYTES)
         out += [("all_reduce", 1, merged), ("all_reduce", 1, cost.loss_allreduce_bytes)]
+    if kind == "B" and regather:
+        again = sum(n for op, n in cost.tensor_collectives("F", remat) if op == "all_gather")
+        out += [("all_gather", again, matmul_gather or nbytes)] if again else []
     if kind == "B" and cost.position_gather_bytes:
         out.append(("all_gather", 1, cost.position_gather_bytes))
     return tuple(out)

@@ -30,8 +30,9 @@ from testbed.model.costs import ChunkCost
 __all__ = ["block_spans", "span_reads"]
 
 Transfer = tuple[str, int, int]
-#: One span of a block: (share of the action's matmul work, HBM bytes, the tensor collectives after it).
-BlockSpan = tuple[float, float, tuple[Transfer, ...]]
+#: One span of a block: (share of the action's matmul work, HBM bytes, the tensor collectives after it, those after
+#: them on the tensor stream that no later span waits for: the backward's sequence all-gathers again, :func:`_regathers`).
+BlockSpan = tuple[float, float, tuple[Transfer, ...], tuple[Transfer, ...]]
 
 
 def _labels(cost: ChunkCost, kind: str, gathered: bool) -> list[tuple[str, str, int]]:
@@ -80,6 +81,25 @@ def _norm_gathers(cost: ChunkCost, kind: str, labels: list[tuple[str, str, int]]
     return [nbytes if i == own else narrowed for i in range(len(labels))]
 
 
+def _regathers(cost: ChunkCost, kind: str, labels: list[tuple[str, str, int]], transfers: tuple[Transfer, ...]
+               ) -> list[list[tuple[str, int]]]:
+    """Per span of ``labels``, the backward's sequence all-gathers again after it (testbed.sim.step.action_work.
+    tensor_transfers' ``regather``: one a forward norm's gather, the last all-gather entry but the position table's),
+    which no later span waits for: each block's input gathered again after the span before that block's (a norm's,
+    after its cotangent's gather), in flight while the block's backward runs, as the traced program issues it once
+    its checkpoint's barrier lets it and reads it in the block's weight gradients (testbed.sim.xla.xla_tpu.
+    regathered); the head's after its own span where no span comes before it. Empty lists where there are none."""
+    norms = [i for i, (_, what, _) in enumerate(labels) if what == "norm"]
+    gathers = [(n, b) for op, n, b in transfers if op == "all_gather"]
+    out: list[list[tuple[str, int]]] = [[] for _ in labels]
+    if kind != "B" or not norms or sum(n for n, _ in gathers) != 2 * len(norms) or gathers[-1][0] != len(norms):
+        return out
+    readers = [i for i, (_, what, _) in enumerate(labels) if what in ("head", "block")]
+    for i in readers:
+        out[max(i - 1, 0)].append(("all_gather", gathers[-1][1]))
+    return out
+
+
 def block_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], transfers: tuple[Transfer, ...],
                 gathered: bool, blocks: int) -> tuple[tuple[BlockSpan, ...], ...]:
     """Per block of a ``kind`` action (F from the embedding, B from the head), its spans with the collectives
@@ -110,8 +130,8 @@ def _cut(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], tra
     if hit is not None and hit[0] is cost:
         return hit[1]
     cut = _cut_spans(cost, kind, spans, transfers, gathered, blocks)
-    out = (tuple(tuple((share, nbytes, tuple((op, 1, b) for op, b in a)) for share, nbytes, a, _ in block)
-                 for block in cut), _reads(cost, kind, cut))
+    out = (tuple(tuple((share, nbytes, tuple((op, 1, b) for op, b in a), tuple((op, 1, b) for op, b in beside))
+                       for share, nbytes, a, _, beside in block) for block in cut), _reads(cost, kind, cut))
     if len(_CUTS) > 20_000:
         _CUTS.clear()
     _CUTS[key] = (cost, out)
@@ -123,7 +143,7 @@ def _reads(cost: ChunkCost, kind: str, cut: list[list[list]]) -> tuple[tuple[fro
     out = []
     for block in cut:
         mine = []
-        for *_, labels in block:
+        for _, _, _, labels, _ in block:
             reads = [span_leaves(p, what, n, kind, cost.sequence_parallel, cost.parallel_block)
                      for p, what, n in labels]
             mine.append(None if any(r is None for r in reads) else frozenset().union(*reads))
@@ -133,7 +153,8 @@ def _reads(cost: ChunkCost, kind: str, cut: list[list[list]]) -> tuple[tuple[fro
 
 def _cut_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], transfers: tuple[Transfer, ...],
                gathered: bool, blocks: int) -> list[list[list]]:
-    """:func:`block_spans`' spans, each as [share, bytes, its collectives (op, bytes), its labels]."""
+    """:func:`block_spans`' spans, each as [share, bytes, its collectives (op, bytes), its labels, the collectives beside
+    (op, bytes)]."""
     pieces = int(cost.has_embedding) + cost.layers + int(cost.has_head)
     labels = _labels(cost, kind, gathered) if kind in ("F", "B") else []
     if not spans or blocks != pieces or cost.layers < 1 or len(labels) != len(spans):
@@ -141,21 +162,23 @@ def _cut_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...
     extra = 2 if kind == "F" and cost.loss_allreduce_bytes else int(kind == "B" and bool(cost.position_gather_bytes))
     tail = list(transfers[len(transfers) - extra:])
     gathers = _norm_gathers(cost, kind, labels, transfers[:len(transfers) - extra])
+    again = _regathers(cost, kind, labels, transfers[:len(transfers) - extra])
     after = [_after(cost, kind, what, tail if kind == "F" else [], tail if kind == "B" else [], g)
              for (_, what, _), g in zip(labels, gathers)]
     expected: Counter = Counter()
     for op, n, b in transfers:
         expected[(op, b)] += n
-    if Counter(x for a in after for x in a) != expected:
+    if Counter(x for a in after + again for x in a) != expected:
         return []
     by_piece: dict[str, list[list]] = {}  # each piece's spans, the pieces in their first span's order
-    for label, (share, nbytes), a in zip(labels, spans, after):
+    for label, (share, nbytes), a, beside in zip(labels, spans, after, again):
         mine = by_piece.setdefault(label[0], [])
-        if mine and not mine[-1][2] and label[1] != "head":
+        if mine and not mine[-1][2] and not mine[-1][4] and label[1] != "head":
             mine[-1][0] += share
             mine[-1][1] += nbytes
             mine[-1][2] = a
             mine[-1][3].append(label)
+            mine[-1][4] = beside
         else:  # (the head's matmuls after the loss's gradient read its gathered weight: a segment of their own)
-            mine.append([share, nbytes, a, [label]])
+            mine.append([share, nbytes, a, [label], beside])
     return list(by_piece.values())

@@ -32,7 +32,7 @@ from testbed.sim.step.grad_bytes import (accumulated_bytes, accumulated_elements
 from testbed.sim.step.memo import cached_chunk_gemms
 from testbed.sim.step.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.step.tp_overlap import TpOverlap, tp_overlap
-from testbed.sim.xla.xla_tpu import sequence_gather_bytes
+from testbed.sim.xla.xla_tpu import regathers_sequence, sequence_gather_bytes
 
 __all__ = ["ActionWork", "ChunkFacts", "Work", "Outgoing", "ForwardBackward", "Moved", "Reduced", "Gathered", "BucketMerge",
            "MATMULS_PER_LAYER", "chunk_facts", "action_sends"]
@@ -383,7 +383,8 @@ def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: s
     split = schedule.split_backward
     max_b = float(plan.precision.compute_bytes) if native else 4.0
     narrow = sequence_gather_bytes(plan, chunk_costs[s][c].tensor_allreduce_bytes, narrowed)
-    flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat, max_b, narrow)
+    flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat, max_b, narrow,
+                                                            regathers_sequence(plan, narrowed))
     hbm += (acc := accumulated_bytes(plan, chunk_costs[s][c].params, kind == ("W" if split else "B"), fused,
                                      accumulated_elements(shapes)))
     if tail_gather and kind == "B":

@@ -157,8 +157,8 @@ def _spans(spans: tuple, block: float, flops: float, k: int, needs: tuple[int | 
     tensor collectives after it, each span after the merged gathers it reads (``needs``: :func:`span_needs`;
     None: every span after all of them). Returns what the next item waits for and the FLOPs played."""
     done, deps = 0.0, []
-    total = sum(nbytes for _, nbytes, _ in spans) or 1.0
-    for j, (share, nbytes, transfers) in enumerate(spans):
+    total = sum(span[1] for span in spans) or 1.0
+    for j, (share, nbytes, transfers, beside) in enumerate(spans):
         f = max(0.0, min(block - done, flops * share))  # (the last spans' rounding: never below none)
         done += f
         need = needs[j] if needs is not None and j < len(needs) else None
@@ -169,6 +169,8 @@ def _spans(spans: tuple, block: float, flops: float, k: int, needs: tuple[int | 
         if transfers:
             items.append(Item("tensor", f".{j}", (span,), transfers=transfers))
         deps = [len(items) - 1]
+        if beside:  # after them on the tensor stream, waited for by nothing after (block_spans' BlockSpan)
+            items.append(Item("tensor", f".{j} again", (deps[0],), transfers=beside))
     return deps, done
 
 

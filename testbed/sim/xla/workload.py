@@ -62,7 +62,14 @@ class TracedOp:
     them; ``gather``: an all-gather XLA:TPU lowers as an all-reduce merges with such ones only,
     testbed.sim.xla.xla_tpu.lowered_gathers). ``vector``: for an all-gather or reduce-scatter of rank-1 buffers,
     the elements of each device's shard (0: not rank-1), which XLA:TPU's rules read
-    (testbed.sim.xla.xla_tpu.vector_gather_lowers).
+    (testbed.sim.xla.xla_tpu.vector_gather_lowers). ``again``: the collectives among ``deps`` whose result the op reads
+    as a checkpoint's recomputation does, the same collective of the same values behind the checkpoint's optimization
+    barrier, which XLA:CPU's common-subexpression elimination merges with the earlier one (the tracer's program)
+    and XLA:TPU issues again (testbed.sim.xla.xla_tpu.regathered, a pass of testbed.sim.graph.traced's
+    compiled_collectives, which spends it: the passes that renumber the ops after it keep none); ``barrier``: with
+    ``again``, the earlier ops that barrier waits for (its operands' producers), which a collective issued again waits
+    for too. ``held``: a collective the compiler runs blocking, in program order with the compute, whatever its kind
+    (testbed.sim.graph.traced_graph; a gather issued again, testbed.sim.xla.xla_tpu.regathered).
     """
 
     name: str
@@ -80,6 +87,9 @@ class TracedOp:
     iteration: int = 0
     combiner: str = ""
     vector: int = 0
+    again: tuple[int, ...] = ()
+    barrier: tuple[int, ...] = ()
+    held: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))
@@ -90,6 +100,10 @@ class TracedOp:
         if min(self.flops, self.hbm_bytes, self.nbytes) < 0 or not all(
                 math.isfinite(x) for x in (self.flops, self.hbm_bytes, self.nbytes)):
             raise ValueError(f"{self.name}: flops, hbm_bytes and nbytes must be finite and >= 0")
+        if self.held and self.kind is not OpKind.COLLECTIVE:
+            raise ValueError(f"{self.name}: only a collective is held")
+        if not set(self.again) <= set(self.deps):
+            raise ValueError(f"{self.name}: again {self.again} must be among its deps {self.deps}")
         if self.kind is OpKind.COLLECTIVE and self.collective not in COLLECTIVE_KINDS:
             raise ValueError(f"{self.name}: collective must be one of {COLLECTIVE_KINDS}, got {self.collective!r}")
 
@@ -121,7 +135,7 @@ class Workload:
         if not self.mesh or any(int(n) < 1 for n in self.mesh.values()):
             raise InputError(f"workload {self.name!r}: mesh must map axis names to sizes >= 1, got {self.mesh}")
         for i, op in enumerate(self.ops):
-            if any(not 0 <= d < i for d in op.deps):
+            if any(not 0 <= d < i for d in (*op.deps, *op.barrier)):
                 raise ValueError(f"op {i} ({op.name}) depends on a later or missing op: {op.deps}")
             if op.kind is OpKind.COLLECTIVE and not set(op.axes) <= set(self.mesh):
                 raise ValueError(f"op {i} ({op.name}) runs over axes {op.axes} not all in the mesh {list(self.mesh)}")

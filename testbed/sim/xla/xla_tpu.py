@@ -34,6 +34,10 @@ recorded plans behind each rule: docs/xla_tpu.md, "XLA:TPU's collectives, probed
   rank-1 leaves and those held flat (ParamSpec.padded) follow it: their gathers merged as the whole slice's small
   gathers are, their gradients' reduce-scatters one all-reduce at the backward's end
   (testbed.model.block_scatters.scatter_ops).
+- :func:`keeps_recomputed_gathers` (:func:`regathers_sequence` for a plan, :func:`regathered` for a traced program):
+  where a checkpoint recomputes layers, the backward gathers each of the forward's activation all-gathers again (the
+  recomputation's inputs sit behind an optimization barrier); a parameter's gather is not repeated. The copies run
+  blocking, in program order with the compute.
 
 A traced program (testbed.sim.graph.traced) follows the gather rules by the same functions (:func:`lowered_gathers`:
 :func:`gather_element_bytes` for a gather every reader of which is a matmul, :func:`lowering_of` and
@@ -59,7 +63,8 @@ from testbed.topology.spec import Topology
 if TYPE_CHECKING:
     from testbed.sim.xla.workload import Workload
 
-__all__ = ["scatters_as_allreduce", "packs_allreduces", "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
+__all__ = ["scatters_as_allreduce", "packs_allreduces", "keeps_recomputed_gathers", "regathers_sequence", "regathered",
+           "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
            "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
            "sequence_gather_bytes",
            "gather_element_bytes", "lowered_gathers",
@@ -87,6 +92,23 @@ def packs_allreduces(topology: Topology) -> bool:
     taking every next one that still fits in the parameters' pytree order (module docstring): where
     :func:`scatters_as_allreduce` (the recorded evidence: whole XLA:TPU slices)."""
     return scatters_as_allreduce(topology)
+
+
+def keeps_recomputed_gathers(topology: Topology) -> bool:
+    """Whether a checkpoint's recomputation gathers the forward's activations again rather than reuse the forward's
+    all-gathers (module docstring): XLA:TPU's rule, both tiers' (:func:`regathers_sequence`, :func:`regathered`)."""
+    return topology.device.buffer_rules == "xla-tpu"
+
+
+def regathers_sequence(plan: Plan, xla_tpu: bool) -> bool:
+    """Whether the backward gathers each of the forward's sequence-parallel all-gathers again (module docstring):
+    where :func:`keeps_recomputed_gathers` (``xla_tpu``; the same test as :func:`narrows_gathers`, whose flag the
+    plan's action facts carry), with sequence parallelism over 2+ tensor ranks. The runner's column-parallel maps
+    run in a checkpoint that keeps only the sequence shard (testbed.runner.parallel.SequenceShards.column, as
+    Megatron gathers again for the weight gradient), so every such step's backward reads its gathers through a
+    checkpoint's barrier, with or without remat: the recorded plans hold them under selective and full remat and
+    under fsdp without remat (gpt2k-fsdp16-tensor4-sp, gpt2k-fsdp8-tensor8-sp)."""
+    return xla_tpu and plan.sequence_parallel and plan.mesh.tensor > 1
 
 
 def lowered_reductions(reductions: tuple, mesh: MeshSpec, whole_slice: bool) -> tuple:
@@ -230,6 +252,42 @@ def lowered_gathers(workload: "Workload", topology: Topology) -> "Workload":
         ops[i] = op
     ops_t = tuple(ops)
     return replace(workload, ops=ops_t) if ops_t != workload.ops else workload
+
+
+def regathered(workload: "Workload", topology: Topology) -> "Workload":
+    """A traced program's ``workload`` with, where :func:`keeps_recomputed_gathers`, each all-gather of a value the
+    step computed (one with ``deps``; a parameter's is reused) that a checkpoint's recomputation reads
+    (``TracedOp.again``) issued again just before the first such reader, once what that reader's optimization barrier
+    waits for is done (``TracedOp.barrier``: XLA schedules nothing behind a barrier before it), those readers reading
+    the copy, and held (``TracedOp.held``: it runs blocking, module docstring); elsewhere the forward's read, as traced.
+    Every op's ``again`` and ``barrier`` are spent (empty) in the result: the passes after this one
+    (testbed.sim.xla.combine, overlap) renumber the ops without them. It runs after testbed.sim.xla.xla_tpu's
+    gather lowering (:func:`lowered_gathers`), whose narrowing reads each gather's readers by data flow: a copy's
+    barrier is no reader of what it waits for."""
+    ops = workload.ops
+    readers: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        for f in op.again:
+            if ops[f].kind is OpKind.COLLECTIVE and ops[f].collective == "all_gather" and ops[f].deps:
+                readers.setdefault(f, []).append(i)
+    if not any(op.again for op in ops):
+        return workload
+    before: dict[int, list[int]] = {}
+    for f, rs in (readers.items() if keeps_recomputed_gathers(topology) else ()):
+        before.setdefault(rs[0], []).append(f)
+    index: dict[int, int] = {}
+    again: dict[int, int] = {}  # forward gather -> its copy's index
+    out: list = []
+    for i, op in enumerate(ops):
+        for f in sorted(before.get(i, ())):
+            again[f] = len(out)
+            wall = set(ops[f].deps) | set(ops[i].barrier)
+            out.append(replace(ops[f], deps=tuple(sorted(index[d] for d in wall)), again=(), barrier=(), held=True))
+        index[i] = len(out)
+        copied = {d for d in op.again if d in again}
+        out.append(replace(op, deps=tuple(sorted(again[d] if d in copied else index[d] for d in op.deps)), again=(),
+                           barrier=()))
+    return replace(workload, ops=tuple(out))
 
 
 def regathers_for_recompute(topology: Topology) -> bool:

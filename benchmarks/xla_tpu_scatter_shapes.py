@@ -1,0 +1,154 @@
+"""Which gradient reduce-scatters of matrices XLA:TPU compiles to all-reduces, probed by deviceless compiles (recorded).
+
+The recorded fsdp plans (benchmarks/xla_tpu/) all-reduce some weight matrices' gradients whole, padded and followed
+by collective-permutes, where testbed counts reduce-scatters (docs/xla_tpu.md, "fsdp reduce-scatters of matrices
+lowered as all-reduces"). ``--collect`` (libtpu needed; about a second a probe) compiles the smallest program that
+reproduces the choice for TPU slices without their chips (``jax.experimental.topologies.get_topology_desc``): a
+weight gradient, ``x.T @ dy`` of token-sharded ``x [tokens, R]`` and ``dy [tokens, C]``, reduce-scattered over a mesh
+axis along dim ``d`` (``jax.lax.psum_scatter``, as testbed.runner.param_shards reduces a gradient), for a grid of
+shapes and dtypes, and for each recorded fsdp plan its matrices' gradients (their local shapes under tensor
+parallelism, split along the fsdp shard dim: testbed.model.param_spec.shard_dim) in one program. It records, per
+probe, each compiled reduction's kind and shape as ``benchmarks/xla_tpu_probes/scatter_shapes.json`` with the date,
+the versions and the command.
+
+Without ``--collect`` it reads that record (no JAX) and prints ONE JSON object: per slice and group, the probed
+shapes XLA:TPU all-reduces, and per recorded plan the matrices its program all-reduces. The choice depends on the
+matrix's shape, the split dim, the dtype and the slice, not on the contraction's length nor on the other gradients
+beside it; testbed does not model it yet.
+
+    PYTHONPATH=<libtpu site>:. python benchmarks/xla_tpu_scatter_shapes.py --collect
+    python benchmarks/xla_tpu_scatter_shapes.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from xla_tpu_collectives import probe_main, record_probes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "benchmarks" / "xla_tpu_probes" / "scatter_shapes.json"
+#: (slice, mesh shape, the axis reduced over: the mesh's last, consecutive devices).
+MESHES = {"v5e:2x2": (4,), "v5p:4x4x4": (8, 8), "v5e:8x8": (4, 16)}
+#: The grid: rows R, columns C, the split dim, bytes per element (fp32 on the 2x2 slice only).
+GRID = [(r, c, d, b) for r, c, d, b in itertools.product((1024, 2048, 3072, 4096, 5376, 8192), (512, 1024, 2048, 4096),
+                                                           (0, 1), (2, 4))]
+#: Rows of the contraction (tokens) each device holds; the choice does not depend on it (probed 512 to 8192).
+TOKENS = 2048
+_FOUND = re.compile(r"=\s*(\S+)\s.*?\b(all-reduce|reduce-scatter|collective-permute)(-start)?\(")
+
+
+def _compile(slice_: str, shape: tuple[int, ...], axis: int, mats: list) -> list[dict]:
+    """Compile one program of the gradients ``mats`` ((R, C, dim, bytes each) each) reduce-scattered over mesh axis
+    ``axis`` of a mesh of ``shape`` (the slice's devices in id order) on ``slice_``; the compiled reductions (kind,
+    the shape as compiled)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    devices = sorted(topologies.get_topology_desc(topology_name=slice_, platform="tpu").devices, key=lambda d: d.id)
+    names = tuple("a" if i == axis else f"m{i}" for i in range(len(shape)))
+    mesh = Mesh(np.array(devices).reshape(shape), names)
+    n = mesh.shape["a"]
+
+    def body(*xs):
+        return tuple(jax.lax.psum_scatter(x.T @ y, "a", scatter_dimension=d, tiled=True)
+                     for (*_, d, _), x, y in zip(mats, xs[0::2], xs[1::2]))
+
+    args = [jax.ShapeDtypeStruct((TOKENS * n, k), jnp.bfloat16 if b == 2 else jnp.float32)
+            for *_, r, c, _, b in mats for k in (r, c)]
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("a"),) * len(args),
+                           out_specs=tuple(P("a") if d == 0 else P(None, "a") for *_, d, _ in mats), check_vma=False)
+    text = jax.jit(mapped).lower(*args).compile().as_text()
+    return [{"kind": m.group(2), "shape": m.group(1)} for m in map(_FOUND.search, text.splitlines()) if m]
+
+
+def plan_matrices() -> dict[str, tuple[str, tuple[int, ...], int, list]]:
+    """Per recorded fsdp plan over part of a slice or a whole 2x2 one: its slice, its mesh's shape (the axes of
+    degree 2+ in mesh order), the fsdp axis's index and its matrices' gradients as (name, R, C, dim, bytes) (local
+    shapes under tensor parallelism; a rank-3 leaf as the matrix of its dims up to the shard dim and the rest)."""
+    import math
+
+    sys.path.insert(0, str(ROOT))
+    from memory_vs_xla_tpu import _plans
+    from testbed.model import layout
+    from testbed.plan.io import plan_from_dict
+    from testbed.plan.spec import MESH_AXES, Axis
+
+    out = {}
+    for entry in _plans():
+        plan = plan_from_dict(entry["plan"])
+        ways, t = plan.mesh.fsdp, plan.mesh.tensor
+        slice_ = entry["target"].split(":", 1)[1]
+        if ways < 2 or plan.mesh.stage > 1 or (ways == plan.mesh.size and slice_ != "v5e:2x2"):
+            continue
+        mats = []
+        for p in (*layout.embedding_params(plan.model), *layout.layer_params(plan.model, 0),
+                  *layout.head_params(plan.model)):
+            dim = p.shard_dim(t, ways)
+            if len(p.shape) < 2 or dim is None:
+                continue
+            local = [n // (t if i in p.tensor_dims(t) else 1) for i, n in enumerate(p.shape)]
+            rows = local[0] if dim == 0 else math.prod(local[:dim])
+            mats.append((p.name, rows, math.prod(local) // rows, 0 if dim == 0 else 1, plan.precision.compute_bytes))
+        axes = [a for a in MESH_AXES if plan.mesh.degree(a) > 1]
+        out[plan.name] = (slice_, tuple(plan.mesh.degree(a) for a in axes), axes.index(Axis.FSDP), mats)
+    return out
+
+
+def collect() -> dict:
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    probes = []
+    for slice_, shape in MESHES.items():
+        for r, c, d, b in GRID:
+            if b == 4 and slice_ != "v5e:2x2":
+                continue
+            compiled = _compile(slice_, shape, len(shape) - 1, [("grid", r, c, d, b)])
+            probes.append({"slice": slice_, "mesh": "x".join(map(str, shape)), "group": shape[-1], "rows": r,
+                           "cols": c, "dim": d, "bytes": b, "compiled": compiled})
+    for name, (slice_, shape, axis, mats) in plan_matrices().items():
+        probes.append({"plan": name, "slice": slice_, "mesh": "x".join(map(str, shape)), "group": shape[axis],
+                       "matrices": mats, "compiled": _compile(slice_, shape, axis, mats)})
+    return record_probes(DATA, "python benchmarks/xla_tpu_scatter_shapes.py --collect", probes)
+
+
+def _kinds(compiled: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in compiled:
+        out[c["kind"]] = out.get(c["kind"], 0) + 1
+    return out
+
+
+def compare(record: dict) -> dict:
+    """The recorded probes summarized (module docstring): per slice and group, the grid's shapes (``RxC dim bytes``)
+    whose reduce-scatter XLA:TPU compiled to an all-reduce, of how many probed; per plan, its program's reductions by
+    kind and the all-reduced ones' shapes as compiled (padded)."""
+    grid: dict[str, dict] = {}
+    plans = {}
+    for p in record["probes"]:
+        if "plan" in p:
+            plans[p["plan"]] = {"slice": p["slice"], "group": p["group"], "matrices": len(p["matrices"]),
+                                "compiled": _kinds(p["compiled"]),
+                                "all_reduced": [c["shape"] for c in p["compiled"] if c["kind"] == "all-reduce"]}
+            continue
+        row = grid.setdefault(f"{p['slice']} over {p['group']}", {"probed": 0, "all_reduced": []})
+        row["probed"] += 1
+        if any(c["kind"] == "all-reduce" for c in p["compiled"]):
+            row["all_reduced"].append(f"{p['rows']}x{p['cols']} d{p['dim']} {p['bytes']}B")
+    return {"date": record["date"], "versions": record["versions"], "grid": grid, "plans": plans}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return probe_main(argv, __doc__, DATA, collect, compare)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
