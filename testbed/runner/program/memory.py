@@ -115,7 +115,7 @@ def _readers(block: Block, functions: dict, fusing: bool = False) -> tuple[dict,
     def read(v, i: int) -> None:
         last[v] = i  # in HBM anyway (an operand of a matmul, say): read from there
         when, node = made.get(v, (barriers, None))
-        if sinking and node is not None and node.kind == "memory" and node.name not in EXPENSIVE and not any(node.roots):
+        if sinking and node is not None and node.kind == "memory" and not any(node.roots):
             for o in node.operands:  # a producer fused into the matmul: its operands are what it reads from HBM
                 read(_root(alias, o), i)
             return
@@ -123,7 +123,7 @@ def _readers(block: Block, functions: dict, fusing: bool = False) -> tuple[dict,
             sunk.add(v)
         if when == barriers or v in far:
             return
-        if node.name in EXPENSIVE or any(node.roots):
+        if any(node.roots) or (node.name in EXPENSIVE and not fusing):
             far.add(v)
             return
         for o in node.operands:  # else recomputed here when it is cheap: its operands are read here
