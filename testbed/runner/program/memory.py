@@ -13,6 +13,14 @@ live around it, once (iterations reuse their buffers). The step's outputs are al
 from the heap of temporaries, as XLA's buffer assignment makes them (:class:`_OutputSlots`). XLA's buffer reuse across unrelated values, in-place
 updates and its scheduler's reordering are not modeled: an estimate of what the program keeps alive, not XLA's
 buffer assignment (docs/program.md).
+
+``fusing`` (a device whose compiler fuses elementwise producers and consumers into its matmuls,
+``DeviceSpec.fuses_into_matmuls``: XLA:TPU, testbed.sim.xla.matmul_fusion): calls are inlined (XLA's
+``CallInliner``), a matmul's result is kept only where a barrier or a later span reads it, a matmul computes the
+elementwise results it reads in its own kernel, and every elementwise result read across a barrier is recomputed
+there (:func:`_readers`). The chip's compiles of the eight held-out programs (benchmarks/tpu_chip/programs.json)
+then hold 1.09-2.5x less than this estimate: XLA:TPU also writes matmul inputs in bf16, ReLU masks as predicates
+and places values in VMEM (their memory-usage reports), which this estimate does not model.
 """
 
 from __future__ import annotations
