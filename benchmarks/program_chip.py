@@ -86,7 +86,7 @@ def priced(workload) -> dict:
     from testbed.topology.io import load_topology
 
     report = simulate_workload(workload, load_topology(TOPOLOGY)).report
-    return {"predicted_s": report.step_time_s, "memory_estimate": float(workload.memory["total"]),
+    return {"predicted_s": report.step_time_s, "memory_estimate": float(report.memory["total"]),
             "flops_per_device": workload.flops(), "dtype": workload.dtype}
 
 

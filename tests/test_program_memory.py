@@ -103,3 +103,33 @@ def test_xla_cpu_holds_an_f32_copy_of_each_bf16_matmul_operand() -> None:
     assert device_memory(half, host)["total"] == half.memory["total"] + 2 * args  # f32: twice the bf16 operands
     full = trace(fn, sd((N, D), jnp.float32), sd((D, D), jnp.float32), mesh={"data": 1})
     assert device_memory(full, host)["total"] == full.memory["total"]
+
+
+def _on_chip(fn, *shapes) -> tuple[float, float]:
+    """(the estimate as XLA:TPU's fusion keeps it, on ``tpu-v5e-1``; as it is, XLA:CPU's buffers)."""
+    from testbed.sim.graph.traced import device_memory
+    from testbed.topology.io import load_topology
+
+    workload = trace(fn, *(sd(s, jnp.float32) for s in shapes), mesh={"data": 1})
+    return device_memory(workload, load_topology("tpu-v5e-1"))["total"], workload.memory["total"]
+
+
+def test_xla_tpu_keeps_no_matmul_result_that_only_its_fused_consumers_read() -> None:
+    """XLA:TPU fuses ``relu`` into a matmul's kernel (testbed.sim.xla.matmul_fusion): of an MLP's n x 4d hidden
+    values only the product is in HBM, read by the second matmul through the ReLU (the chip's cnn step: one buffer
+    per activation, none for a convolution's result beside its ReLU), where XLA:CPU holds the product and its ReLU
+    both; ``jax.nn.relu``'s call is inlined as XLA's CallInliner does."""
+    shapes = ((N, D), (D, 4 * D), (4 * D, D))
+    fused, unfused = _on_chip(lambda x, w1, w2: jnp.maximum(x @ w1, 0.0) @ w2, *shapes)
+    assert unfused == _args(*shapes) + 9 * ARRAY  # product and ReLU at the ReLU, and the output
+    assert fused == _args(*shapes) + 5 * ARRAY  # product at the second matmul, and the output
+    assert _on_chip(lambda x, w1, w2: jax.nn.relu(x @ w1) @ w2, *shapes)[0] == fused
+
+
+def test_xla_tpu_recomputes_an_expensive_result_read_across_a_matmul() -> None:
+    """On XLA:TPU an elementwise function of kept values is recomputed inside its later reader's fusion, a
+    transcendental too (testbed.model.xla_tpu: the GELU's output is not kept for the backward): tanh(x) read after
+    two matmuls costs what x * 2 does there, where XLA:CPU keeps it."""
+    shapes = ((N, D), (D, D), (D, D))
+    (expensive, kept), (cheap, _) = _on_chip(_across(jnp.tanh), *shapes), _on_chip(_across(lambda x: x * 2), *shapes)
+    assert expensive == cheap < kept

@@ -13,9 +13,19 @@ live around it, once (iterations reuse their buffers). The step's outputs are al
 from the heap of temporaries, as XLA's buffer assignment makes them (:class:`_OutputSlots`). XLA's buffer reuse across unrelated values, in-place
 updates and its scheduler's reordering are not modeled: an estimate of what the program keeps alive, not XLA's
 buffer assignment (docs/program.md).
+
+``fusing`` (a device whose compiler fuses elementwise producers and consumers into its matmuls,
+``DeviceSpec.fuses_into_matmuls``: XLA:TPU, testbed.sim.xla.matmul_fusion): calls are inlined (XLA's
+``CallInliner``), a matmul's result is kept only where a barrier or a later span reads it, a matmul computes the
+elementwise results it reads in its own kernel, and every elementwise result read across a barrier is recomputed
+there (:func:`_readers`). The chip's compiles of the eight held-out programs (benchmarks/tpu_chip/programs.json)
+then hold 1.09-2.5x less than this estimate: XLA:TPU also writes matmul inputs in bf16, ReLU masks as predicates
+and places values in VMEM (their memory-usage reports), which this estimate does not model.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from testbed.runner.program.compile import Block, Compiled
 
@@ -35,20 +45,36 @@ def _uses(block: Block, functions: dict) -> set:
     return out
 
 
-def _flatten(block: Block) -> tuple[list, dict]:
+def _flatten(block: Block, functions: dict | None = None) -> tuple[list, dict]:
     """The block's nodes with each shard_map body (``sdy.manual_computation``) inlined, as XLA's partitioner leaves
     it (the compiled step has no such region: its fusion and buffer assignment see one graph), and the aliases
     that makes: a body's argument -> the operand it is, a region's result -> the body's yield, a passthrough's
-    result (reshape, transpose, broadcast) -> the value whose buffer it reads."""
+    result (reshape, transpose, broadcast) -> the value whose buffer it reads. With ``functions`` (a fusing
+    compiler, :func:`peak_bytes`) each call of a function without nested blocks is inlined too, its values renamed
+    per call (XLA's ``CallInliner`` runs before fusion: a ``jax.nn.relu`` is an elementwise op of its caller's)."""
     nodes: list = []
     alias: dict = {}
     for node in block.nodes:
         if node.kind == "region" and len(node.blocks) == 1:
-            inner, more = _flatten(node.blocks[0])
+            inner, more = _flatten(node.blocks[0], functions)
             alias.update(more)
             alias.update(zip(node.blocks[0].args, node.operands))
             alias.update(zip(node.results, node.blocks[0].yields))
             nodes += inner
+            continue
+        body = functions.get(node.callee) if functions is not None and node.kind == "call" else None
+        if body is not None and not any(n.blocks or n.kind == "call" for n in body.nodes):
+            name = dict(zip(body.args, node.operands))
+            rename = lambda v, tag=len(nodes): name.get(v, ("inlined", tag, v))  # noqa: E731
+            for n in body.nodes:
+                inlined = dataclasses.replace(n, operands=[rename(v) for v in n.operands],
+                                              results=[rename(v) for v in n.results])
+                if n.kind == "passthrough" and n.operands:
+                    sources = (inlined.operands if len(n.operands) == len(n.results)
+                               else inlined.operands[:1] * len(n.results))
+                    alias.update(zip(inlined.results, sources))
+                nodes.append(inlined)
+            alias.update(zip(node.results, [rename(v) for v in body.yields]))
             continue
         if node.kind == "passthrough" and node.operands:
             sources = node.operands if len(node.operands) == len(node.results) else node.operands[:1] * len(node.results)
@@ -72,7 +98,7 @@ EXPENSIVE = frozenset(f"stablehlo.{op}" for op in (
     "tanh", "logistic", "atan2", "cosine", "sine", "tan", "remainder", "erf")) | {"chlo.erf", "chlo.tan"}
 
 
-def _readers(block: Block, functions: dict) -> tuple[dict, set, set]:
+def _readers(block: Block, functions: dict, fusing: bool = False) -> tuple[dict, set, set]:
     """(value -> index of its last reader, values an HBM reader reads, values read across a barrier), each value
     taken through passthroughs to the one it reads.
 
@@ -81,8 +107,13 @@ def _readers(block: Block, functions: dict) -> tuple[dict, set, set]:
     from HBM where it is there anyway (a matmul's operand), else recomputed in its reader's kernel when it is
     cheap (XLA's fusion duplicates a cheap producer into each consumer: its operands are then read there, and so
     on back to values in HBM) and kept in HBM until then when it is expensive (a transcendental or a division:
-    a forward's GELU ``tanh`` read by its backward)."""
-    nodes, alias = _flatten(block)
+    a forward's GELU ``tanh`` read by its backward).
+
+    ``fusing`` (XLA:TPU, :func:`peak_bytes`): a matmul's result is made like an expensive elementwise result (its
+    elementwise consumers and reductions run in the matmul's kernel; kept when a barrier or a later span reads it),
+    and a matmul reading a cheap elementwise result computes it in its own kernel (a producer fusion): that result's
+    operands are read there, each kept in HBM, not the result."""
+    nodes, alias = _flatten(block, functions if fusing else None)
     last: dict = {}
     made: dict = {}    # elementwise result -> (barriers before it, its node)
     sunk = {_root(alias, v) for v in block.yields}
@@ -92,24 +123,35 @@ def _readers(block: Block, functions: dict) -> tuple[dict, set, set]:
     def read(v, i: int) -> None:
         last[v] = i  # in HBM anyway (an operand of a matmul, say): read from there
         when, node = made.get(v, (barriers, None))
+        if sinking and node is not None and node.kind == "memory" and not any(node.roots):
+            for o in node.operands:  # a producer fused into the matmul: its operands are what it reads from HBM
+                read(_root(alias, o), i)
+            return
+        if sinking:
+            sunk.add(v)
         if when == barriers or v in far:
             return
-        if node.name in EXPENSIVE or any(node.roots):
+        if any(node.roots) or (node.name in EXPENSIVE and not fusing):
             far.add(v)
             return
         for o in node.operands:  # else recomputed here when it is cheap: its operands are read here
             read(_root(alias, o), i)
 
+    sinking = False
     for i, node in enumerate(nodes):
         sink = node.kind in _SINKS or node.name == "stablehlo.custom_call"
         reads = [_root(alias, v) for v in node.operands]
-        reads += [_root(alias, v) for inner in node.blocks for v in _uses(inner, functions)]
+        inner = [_root(alias, v) for b in node.blocks for v in _uses(b, functions)]
+        sinking = fusing and node.kind == "gemm"
         for v in reads:
             read(v, i)
+        sinking = False
+        for v in inner:
+            read(v, i)
         if sink:
-            sunk.update(reads)
+            sunk.update(inner + ([] if fusing and node.kind == "gemm" else reads))
         barriers += sink
-        if node.kind == "memory":
+        if node.kind == "memory" or (fusing and node.kind == "gemm"):
             made.update((r, (barriers, node)) for r in node.results)
     return last, sunk, far
 
@@ -155,16 +197,18 @@ def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
     return out
 
 
-def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None = None, apart: bool = False) -> float:
+def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None = None, apart: bool = False,
+                fusing: bool = False) -> float:
     """Peak bytes the block allocates above what is live when it starts (its arguments not counted); ``upcast``:
     the entry's argument sizes where each bf16 matmul operand also has an f32 copy (:func:`_f32_copies`);
-    ``apart``: the block's results are the step's outputs, each an allocation of its own (:class:`_OutputSlots`)."""
+    ``apart``: the block's results are the step's outputs, each an allocation of its own (:class:`_OutputSlots`);
+    ``fusing``: a matmul's result is kept only where :func:`_readers` (fusing) needs it in HBM."""
     key = id(block)
     if key in memo:
         return memo[key]
     memo[key] = 0.0  # guards recursion
-    last, sunk, far = _readers(block, functions)
-    nodes, alias = _flatten(block)
+    last, sunk, far = _readers(block, functions, fusing)
+    nodes, alias = _flatten(block, functions if fusing else None)
     yields = {_root(alias, v) for v in block.yields}
     merged = _combined(nodes, alias, functions)
     for m, end in merged.items():  # a member's operands and results live until its group runs, at least
@@ -178,11 +222,12 @@ def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None =
     live = peak = 0.0
     slots = _OutputSlots(nodes, yields) if apart else None
     for i, node in enumerate(nodes):
-        inner = max((_block_peak(b, functions, memo, upcast) for b in node.blocks), default=0.0)
+        inner = max((_block_peak(b, functions, memo, upcast, fusing=fusing) for b in node.blocks), default=0.0)
         if node.kind == "call" and node.callee in functions:
-            inner = _block_peak(functions[node.callee], functions, memo, upcast)
+            inner = _block_peak(functions[node.callee], functions, memo, upcast, fusing=fusing)
+        always = ("collective", *_NESTED) if fusing else ("gemm", "collective", *_NESTED)
         kept = [r for r, root in zip(node.results, node.roots or [True] * len(node.results))
-                if node.kind in ("gemm", "collective", *_NESTED) or root or r in sunk or r in far]
+                if node.kind in always or (root and node.kind != "gemm") or r in sunk or r in far]
         written = list(zip(node.results, node.writes))
         if merged.get(i, i) != i:  # its results are written where its group runs
             kept = []
@@ -247,10 +292,13 @@ def _half(node) -> bool:
     return g is not None and node.writes and node.writes[0] == 2 * g.batch * g.m * g.n
 
 
-def peak_bytes(compiled: Compiled, upcast: bool = False) -> float:
-    """The step's arguments plus the peak of what its program keeps alive above them (module docstring)."""
+def peak_bytes(compiled: Compiled, upcast: bool = False, fusing: bool = False) -> float:
+    """The step's arguments plus the peak of what its program keeps alive above them (module docstring); ``fusing``:
+    as a compiler that fuses elementwise producers and consumers into its matmuls keeps it (XLA:TPU,
+    ``DeviceSpec.fuses_into_matmuls``: :func:`_readers`)."""
     args = dict(zip(compiled.entry.args, compiled.arg_bytes)) if upcast else None
-    return float(sum(compiled.arg_bytes)) + _block_peak(compiled.entry, compiled.functions, {}, args, apart=True)
+    return float(sum(compiled.arg_bytes)) + _block_peak(compiled.entry, compiled.functions, {}, args, apart=True,
+                                                        fusing=fusing)
 
 
 def _while_written(node, live: float, size: dict, slots, inner: float, new: list) -> float:

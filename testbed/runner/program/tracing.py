@@ -216,8 +216,10 @@ def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: 
     total = peak_bytes(compiled)
     memory = {"arguments": arguments, "temporaries": total - arguments, "total": total,
               "total_fp32_matmuls": peak_bytes(compiled, upcast=True),
+              "total_fused_matmuls": peak_bytes(compiled, fusing=True),
               "method": "live-range estimate over the partitioned program (testbed.runner.program.memory): the step's "
-                        "arguments plus the peak of the values it keeps alive; not XLA's buffer assignment"}
+                        "arguments plus the peak of the values it keeps alive (total_fused_matmuls: as a compiler that "
+                        "fuses into matmuls keeps them, XLA:TPU); not XLA's buffer assignment"}
     return Workload(name=name, mesh=dict(sizes), ops=tuple(ops), dtype=dtype,
                     assumptions=tuple(compiled.assumptions + notes), memory=memory,
                     buffers=len(compiled.arg_bytes), loops=loops)

@@ -72,12 +72,18 @@ def device_memory(workload: Workload, topology: Topology) -> dict:
     """The workload's memory estimate as the topology's compiler holds it: where it runs bf16 matmuls in fp32
     between converts (``device.bf16_matmuls: fp32``, XLA:CPU) and the estimate carries ``total_fp32_matmuls``
     (each bf16 matmul operand's f32 copy, made once and kept to its last matmul: testbed.runner.program.memory),
-    that total; else the estimate as it is."""
+    that total; where it fuses elementwise producers and consumers into its matmuls (``DeviceSpec.fuses_into_matmuls``,
+    XLA:TPU) and the estimate carries ``total_fused_matmuls`` (no matmul result that only its fused consumers read,
+    elementwise results recomputed in their readers' kernels: testbed.runner.program.memory), that total; else the
+    estimate as it is."""
     memory = dict(workload.memory)
     upcast = memory.pop("total_fp32_matmuls", None)
-    if upcast is not None and topology.device.bf16_matmuls == "fp32" and "total" in memory:
-        memory["temporaries"] = memory.get("temporaries", 0.0) + upcast - memory["total"]
-        memory["total"] = upcast
+    fused = memory.pop("total_fused_matmuls", None)
+    held = (upcast if topology.device.bf16_matmuls == "fp32" else
+            fused if topology.device.fuses_into_matmuls() else None)
+    if held is not None and "total" in memory:
+        memory["temporaries"] = memory.get("temporaries", 0.0) + held - memory["total"]
+        memory["total"] = held
     return memory
 
 
