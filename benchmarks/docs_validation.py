@@ -389,7 +389,8 @@ def per_chip_section(data: dict) -> list[str]:
                             "predicted step s", "predicted compute s"), rows)
 
 
-_HELDOUT_TITLES = {"heldout": "Held-out one-chip plans", "moe": "One-chip mixtures of experts"}
+_HELDOUT_TITLES = {"heldout": "Held-out one-chip plans", "heldout2": "Held-out one-chip plans, second set",
+                   "moe": "One-chip mixtures of experts"}
 
 
 def heldout_chip_section(data: dict) -> list[str]:

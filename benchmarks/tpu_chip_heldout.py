@@ -6,6 +6,8 @@ predictions made before the first chip call (``predicted.json``, its commit and 
 
 - ``heldout``: ten plans of shapes and settings the suite lacks (head dims 96/128, seq 256-8192, a sliding
   window, MoE, parallel blocks with tied embeddings, SGD with 8 microbatches, fp32 at seq 512, ``save-dots``);
+- ``heldout2``: four more (a 128,256-token tied vocabulary, multi-query attention at head dims 256 and 128, head dim
+  128 at seq 4096 with two microbatches);
 - ``moe``: six mixtures of experts (4-16 experts, top-1 and top-2, dropless and capacity factors 1.25 and 2).
 
 For each plan: the measured median, the prediction recorded before the run and today's (testbed.sim.graph.engine
@@ -35,7 +37,7 @@ from testbed.sim.graph.engine import simulate  # noqa: E402
 from testbed.topology.io import load_topology  # noqa: E402
 
 CHIP = ROOT / "benchmarks" / "tpu_chip"
-SETS = ("heldout", "moe")
+SETS = ("heldout", "heldout2", "moe")
 GOALS = {"step_time": {"median_abs": 0.08, "max_abs": 0.15}, "memory_vs_xla": {"median_abs": 0.03, "max_abs": 0.08}}
 
 
