@@ -60,7 +60,8 @@ class Kernel:
 
     def priced(self, topology, dtype: str) -> float:
         """The kernel as the plan tier prices it at today's compute.EPILOGUE_HIDDEN (:func:`hidden_share` sets it)."""
-        from testbed.sim.price.compute import epilogue_seconds, pass_seconds, trailing_bytes
+        from testbed.model.gemm import trailing_bytes
+        from testbed.sim.price.compute import epilogue_seconds, pass_seconds
 
         trailing = trailing_bytes(self.update_bytes - self.grad_bytes, self.grad_bytes)
         return self.matmul_s + pass_seconds(topology, trailing) - epilogue_seconds(
@@ -131,7 +132,8 @@ class ProgramKernel:
         """The kernel by the one rule at today's compute.EPILOGUE_HIDDEN: its GEMM with the state read and written."""
         from dataclasses import replace
 
-        from testbed.sim.price.compute import gemm_seconds, trailing_bytes
+        from testbed.model.gemm import trailing_bytes
+        from testbed.sim.price.compute import gemm_seconds
 
         elements = self.gemm.m * self.gemm.n * self.gemm.batch
         state = 2.0 * self.states * self.state_b * elements

@@ -137,7 +137,7 @@ class Kernel:
     matmul_s: float  #: the weight gradient at the dense matmul rate
     matmul_flops: float
     update_bytes: float
-    trailing_bytes: float  #: the update's pass past the kernel's streams (testbed.sim.price.compute.trailing_bytes)
+    trailing_bytes: float  #: the update's pass past the kernel's streams (testbed.model.gemm.trailing_bytes)
 
     def priced(self, topology, rate: float, hides: bool = False) -> float:
         """The kernel at ``rate``: its matmul, then the update's whole pass (testbed's rule for the routed experts,
@@ -156,7 +156,7 @@ def kernels(topology) -> list[Kernel]:
     from testbed.model.memory import state_bytes_per_param
     from testbed.plan.io import load_plan
     from testbed.sim.price.compute import gemm_seconds, plan_matmul_dtype
-    from testbed.sim.price.compute import trailing_bytes
+    from testbed.model.gemm import trailing_bytes
     from testbed.sim.step.update_facts import update_bytes
 
     out = []

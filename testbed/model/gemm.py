@@ -57,10 +57,20 @@ from testbed.model.ring import rank_spec
 from testbed.model.xla_tpu import updates_in_epilogue
 from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
 
-__all__ = ["Gemm", "AttentionPass", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms",
+__all__ = ["Gemm", "trailing_bytes", "AttentionPass", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms",
            "chunk_gemms", "gemm_flops", "scaled", "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms",
            "policy_recompute_flops", "dots_rerun_attention", "SAVED_PROJECTIONS", "grouped_kernel", "fp8_scaled",
            "FUSED_UPDATE_KERNEL"]
+
+
+def trailing_bytes(consumer_bytes: float, result_bytes: float) -> float:
+    """Of ``consumer_bytes`` (HBM bytes of the work fused into a matmul as its consumers, less the result they read),
+    those past the kernel's streams, the epilogue testbed.sim.price.compute.fused_kernel_seconds prices: two passes the size of the
+    matmul's result (``result_bytes``) ride the output tiles as the matmul's own traffic, the consumers' output written
+    in the result's place and one read of a tensor of its shape (a residual, as the accumulator a weight gradient adds
+    into rides it: testbed.sim.price.compute.epilogue_bytes); the rest trails (an optimizer update's further state, read and written per
+    weight element). The producers' bytes stream in with the operands."""
+    return max(0.0, consumer_bytes - 2.0 * result_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +111,7 @@ class Gemm:
     the ``m x n`` accumulator too and writes the sum in place of the gradient; ``fused_bytes``: HBM bytes per
     product of the memory-bound ops the compiler runs in the product's kernel (a traced program's,
     testbed.sim.xla.matmul_fusion); ``trailing_bytes``: the part of ``fused_bytes`` past the kernel's streams
-    (testbed.sim.price.compute.trailing_bytes); ``result_on_chip``: only those ops read its result, which never
+    (:func:`trailing_bytes`); ``result_on_chip``: only those ops read its result, which never
     reaches HBM. All are priced by one rule, testbed.sim.price.compute.fused_kernel_seconds.
     """
 

@@ -64,7 +64,7 @@ from testbed.topology.parts import matmul_dtype
 from testbed.topology.calibration import ComputeCalibration
 
 __all__ = ["compute_seconds", "plan_matmul_dtype", "rate_dtype", "FP32_BF16_PASS", "pass_seconds", "epilogue_seconds",
-           "EPILOGUE_HIDDEN", "fused_kernel_seconds", "trailing_bytes", "systolic_share", "epilogue_bytes",
+           "EPILOGUE_HIDDEN", "fused_kernel_seconds", "systolic_share", "epilogue_bytes",
            "with_epilogue", "gemm_efficiency", "gemm_seconds", "gemms_seconds",
            "fit_shape_model", "GEMM_OPERAND_BYTES", "FP8_BLOCK_SCALED_SHARE", "fp8_cast_bytes"]
 
@@ -83,7 +83,7 @@ FP8_BLOCK_SCALED_SHARE = 0.892
 #: chip's profiles (benchmarks/tpu_chip/profiles.json): the 125M fp32 step's attention products, bound by their
 #: operands' bytes, take 1.8-2.0x their bf16 twins'.
 FP32_BF16_PASS = "fp32-bf16-pass"
-#: The share of a fused kernel's trailing work (:func:`trailing_bytes`: past its operand and output streams, an
+#: The share of a fused kernel's trailing work (testbed.model.gemm.trailing_bytes: past its operand and output streams, an
 #: optimizer update's further state) whose pass runs beside the matmul (:func:`fused_kernel_seconds`; 1: the longer
 #: of the two, 0: their sum). One value for both tiers, fitted by benchmarks/tpu_fused_update_fit.py over both
 #: categories of the v5e chip's per-op profiles, the kernels holding an optimizer update: the plans' (benchmarks/
@@ -174,16 +174,6 @@ def fused_kernel_seconds(math_s: float, own_s: float, epilogue_s: float) -> floa
     result, an accumulator it adds into), ``epilogue_s`` of the fused work's own pass. :data:`EPILOGUE_HIDDEN` of
     that pass runs beside the matmul, which takes the longer of its math and its traffic; the rest after it."""
     return max(math_s, own_s + EPILOGUE_HIDDEN * epilogue_s) + (1.0 - EPILOGUE_HIDDEN) * epilogue_s
-
-
-def trailing_bytes(consumer_bytes: float, result_bytes: float) -> float:
-    """Of ``consumer_bytes`` (HBM bytes of the work fused into a matmul as its consumers, less the result they read),
-    those past the kernel's streams, the epilogue :func:`fused_kernel_seconds` prices: two passes the size of the
-    matmul's result (``result_bytes``) ride the output tiles as the matmul's own traffic, the consumers' output written
-    in the result's place and one read of a tensor of its shape (a residual, as the accumulator a weight gradient adds
-    into rides it: :func:`epilogue_bytes`); the rest trails (an optimizer update's further state, read and written per
-    weight element). The producers' bytes stream in with the operands."""
-    return max(0.0, consumer_bytes - 2.0 * result_bytes)
 
 
 def epilogue_seconds(topology: Topology, dtype: str, flops: float, nbytes: float) -> float:

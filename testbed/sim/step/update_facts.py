@@ -15,7 +15,8 @@ from testbed.model.param_spec import Part
 from testbed.model.leaves import moved_elements, parameter_collectives
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.sharding import reduction_axes, state_sharding
-from testbed.sim.price.compute import compute_seconds, trailing_bytes
+from testbed.model.gemm import trailing_bytes
+from testbed.sim.price.compute import compute_seconds
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.step.grad_bytes import sequence_apart, sequence_replicated, summed_each_microbatch
 
@@ -37,7 +38,7 @@ class StageUpdate:
     regather_bytes: float
     #: Where the compiler runs each weight matrix's update in its gradient matmul's epilogue (:func:`fused_update`):
     #: those matmuls' FLOPs on the device, and the part of ``hbm_bytes`` past the kernels' streams
-    #: (testbed.sim.price.compute.trailing_bytes; the gradient's read and the two passes its size that ride the
+    #: (testbed.model.gemm.trailing_bytes; the gradient's read and the two passes its size that ride the
     #: kernel's streams are not in ``hbm_bytes``), priced by testbed.sim.price.compute.fused_kernel_seconds (0: none).
     fused_flops: float = 0.0
     fused_bytes: float = 0.0

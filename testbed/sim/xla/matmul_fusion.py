@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from testbed.sim.price.compute import trailing_bytes
+from testbed.model.gemm import trailing_bytes
 from testbed.sim.xla.workload import OpKind, Workload, element_bytes
 
 __all__ = ["MatmulFusions", "matmul_fusions"]
@@ -34,7 +34,7 @@ __all__ = ["MatmulFusions", "matmul_fusions"]
 class MatmulFusions:
     """``bytes``: matmul op -> the HBM bytes of the memory-bound ops fused into it; ``fused``: those ops;
     ``on_chip``: the matmul ops whose result only ops fused into their own kernel read (it never reaches HBM);
-    ``trailing``: matmul op -> the part of its ``bytes`` past the kernel's streams (testbed.sim.price.compute.
+    ``trailing``: matmul op -> the part of its ``bytes`` past the kernel's streams (testbed.model.gemm.
     trailing_bytes of its consumers')."""
 
     bytes: dict[int, float] = field(default_factory=dict)
