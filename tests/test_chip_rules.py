@@ -14,10 +14,10 @@ import pytest
 
 from testbed.errors import InputError
 from testbed.explore.analytic import estimate
-from testbed.model.gemm import Gemm, chunk_gemms
+from testbed.model.gemm import Gemm, chunk_gemms, trailing_bytes
 from testbed.plan.io import load_plan
 from testbed.sim.price.compute import (EPILOGUE_HIDDEN, epilogue_seconds, fused_kernel_seconds, gemm_seconds,
-                                      pass_seconds, plan_matmul_dtype, systolic_share, trailing_bytes)
+                                      pass_seconds, plan_matmul_dtype, systolic_share)
 from testbed.model.costs import param_count
 from testbed.sim.graph.engine import simulate
 from testbed.sim.step.grad_bytes import (ACCUMULATE_PASSES, FUSED_ACCUMULATE_PASSES, accumulated_bytes,
