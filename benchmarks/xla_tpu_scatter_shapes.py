@@ -12,9 +12,11 @@ probe, each compiled reduction's kind and shape as ``benchmarks/xla_tpu_probes/s
 the versions and the command.
 
 Without ``--collect`` it reads that record (no JAX) and prints ONE JSON object: per slice and group, the probed
-shapes XLA:TPU all-reduces, and per recorded plan the matrices its program all-reduces. The choice depends on the
-matrix's shape, the split dim, the dtype and the slice, not on the contraction's length nor on the other gradients
-beside it; testbed does not model it yet.
+shapes XLA:TPU all-reduces, per recorded plan the matrices its program all-reduces, and ``predicates``: the
+candidate predicates over the shard's shape, layout and dtype (:func:`candidates`) as classifiers over the grid
+(confusion counts). The choice depends on the matrix's shape, the split dim, the dtype and the slice, not on the
+contraction's length nor on the other gradients beside it; no candidate explains 95% of the probes, and testbed
+does not model it.
 
     PYTHONPATH=<libtpu site>:. python benchmarks/xla_tpu_scatter_shapes.py --collect
     python benchmarks/xla_tpu_scatter_shapes.py
@@ -143,7 +145,54 @@ def compare(record: dict) -> dict:
         row["probed"] += 1
         if any(c["kind"] == "all-reduce" for c in p["compiled"]):
             row["all_reduced"].append(f"{p['rows']}x{p['cols']} d{p['dim']} {p['bytes']}B")
-    return {"date": record["date"], "versions": record["versions"], "grid": grid, "plans": plans}
+    return {"date": record["date"], "versions": record["versions"], "grid": grid, "plans": plans,
+            "predicates": classify(record)}
+
+
+#: The lanes of a TPU vector register row (testbed.sim.xla.xla_tpu.VECTOR_LANES): a tile's minor extent.
+LANES = 128
+#: The candidate predicates' shard bound (elements a device; the best of 2^17 .. 2^23 on the grid).
+SHARD_ELEMENTS = 2 ** 20
+
+
+def split_layout(rows: int, cols: int, dim: int, group: int) -> tuple[bool, int, int]:
+    """(whether the split dim is the layout's major one, its extent, the other's) of a ``rows x cols`` gradient
+    reduce-scattered ``group`` ways along ``dim``: XLA:TPU lays a column split out column-major (``{0,1}``) where the
+    shard is not whole 128-lane rows (every recorded probe: 96 of 96 column splits)."""
+    if dim == 0:
+        return True, rows, cols
+    return (cols // group) % LANES != 0, cols, rows
+
+
+def candidates(p: dict) -> dict[str, bool]:
+    """The candidate predicates of whether probe ``p``'s reduce-scatter is compiled to an all-reduce, by the shard's
+    shape against the 8x128 tiles and its layout: ``lanes`` (a minor split all-reduced iff its shard is exactly one
+    128-lane row of bf16; a major split never), ``shard`` (that, and a major split all-reduced iff its shard holds
+    SHARD_ELEMENTS or more), ``shard_pow2`` (that, and its shard's rows a power of two)."""
+    major, split, other = split_layout(p["rows"], p["cols"], p["dim"], p["group"])
+    rows = split // p["group"]
+    minor = not major and p["bytes"] == 2 and rows == LANES
+    big = major and rows * other >= SHARD_ELEMENTS
+    return {"lanes": minor, "shard": minor or big, "shard_pow2": minor or (big and rows & (rows - 1) == 0)}
+
+
+def classify(record: dict) -> dict:
+    """Each candidate predicate (:func:`candidates`) as a classifier over the grid's probes: its confusion counts
+    (``tp``: all-reduced and predicted so, ...) over all of them and over the major splits alone."""
+    out: dict[str, dict] = {}
+    for p in record["probes"]:
+        if "plan" in p:
+            continue
+        lowered = any(c["kind"] == "all-reduce" for c in p["compiled"])
+        major = split_layout(p["rows"], p["cols"], p["dim"], p["group"])[0]
+        for name, said in candidates(p).items():
+            for scope in ("all", "major") if major else ("all",):
+                row = out.setdefault(name, {}).setdefault(scope, {"tp": 0, "fp": 0, "fn": 0, "tn": 0})
+                row[("t" if said == lowered else "f") + ("p" if said else "n")] += 1
+    for scopes in out.values():
+        for row in scopes.values():
+            row["explained"] = round((row["tp"] + row["tn"]) / sum(row[k] for k in ("tp", "fp", "fn", "tn")), 4)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,10 +176,10 @@ def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
 #: all-reduce, merged by the all-reduce combiner (testbed.model.gather_lowering); a rank-1 gather of a shard not whole
 #: 128-lane rows and every rank-1 reduce-scatter are merged all-reduces (xla_tpu.vector_gather_lowers); a whole
 #: slice's gradient all-reduces are packed to the bound (xla_tpu.packs_allreduces); with sequence parallelism a
-#: checkpoint's recomputed sequence all-gathers are kept (xla_tpu.regathers_sequence).
+#: checkpoint's recomputed sequence all-gathers are kept (xla_tpu.regathers_sequence); HSDP's shard sums over data
+#: are merged after the backward (xla_tpu.merges_shard_sums).
 FSDP = ("fsdp: XLA:TPU all-reduces some matrices' gradients whole (padded, with collective-permutes, over a 2x2 "
-        "slice or 8 of 64 chips) where they stay reduce-scatters over part of a slice and merges HSDP's data "
-        "all-reduces; with sequence parallelism at tensor 4 it gathers three backward cotangents again (at tensor "
+        "slice or 8 of 64 chips) where they stay reduce-scatters over part of a slice; with sequence parallelism at tensor 4 it gathers three backward cotangents again (at tensor "
         "8 on a v5p slice one gather fewer) and merges the tensor-replicated gradients' sums")
 #: The recorded fsdp plans whose collectives equal XLA:TPU's by testbed.sim.xla.xla_tpu's rules.
 FSDP_EQUAL = ("llama2k-fsdp8", "gpt2k-fsdp16-full", "llama2k-fsdp16-fp32-selective", "llama2k-fsdp64",
@@ -207,6 +207,17 @@ def test_fsdp_moves_the_predicted_bytes_where_it_lowers_collectives_as_all_reduc
 #: The recorded bf16-mixed fsdp-only plans without remat (llama2k-fsdp4-fp32's reduce-scatters over a 2x2 slice
 #: move padded buffers and collective-permutes).
 FSDP_ONLY = ("llama1b-fsdp256-flash", "llama2k-fsdp8")
+
+
+def test_hsdp_shard_sums_over_data_are_one_merged_all_reduce():
+    """Data beside fsdp: the gradient shards' sums over data are the all-reduces XLA:TPU's combiner merges across
+    the backward (testbed.sim.xla.xla_tpu.merges_shard_sums): the recorded HSDP plans' data all-reduces equal
+    XLA:TPU's in count and bytes (llama2k-data8-fsdp8-selective: one of 54.5 MB, against a bucket's each)."""
+    rows = [r for r in ROWS if "data all-reduce" in r["xla_collectives"]
+            and any(k.startswith("fsdp ") for k in r["xla_collectives"])]
+    assert rows
+    for row in rows:
+        assert row["predicted_collectives"]["data all-reduce"] == row["xla_collectives"]["data all-reduce"], row["plan"]
 
 
 def test_whole_slice_gathers_of_small_buffers_are_merged_all_reduces():

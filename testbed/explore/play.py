@@ -66,6 +66,7 @@ class Play:
         self.replay = _Replay((), 0.0, 0.0, [])
         self.played: Played | None = None  # the last action's blocks played span by span (span_times)
         self.held: list[float] | None = None  # the last action's held reductions' seconds per block (held_blocks)
+        self.sums = list(step.shard_sum_s)  # each stage's merged shard all-reduces, until played (_kept)
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.early = [0.0] * p  # the sequence-replicated gradients' sum done (ActionPrice.early: its own stream)
         self.busy, self.comm = [0.0] * p, [0.0] * p
@@ -413,12 +414,16 @@ class Play:
             self.grad[s] = start + self.step.tied_s
 
     def _kept(self, s: int) -> None:
-        """Stage ``s``'s kept reductions, the replicas' one sum after the backward (once: they are then done)."""
+        """Stage ``s``'s kept reductions, the replicas' one sum after the backward (once: they are then done), then
+        its merged shard all-reduces (StepPrices.shard_sum_s: once its last bucket and backward are done)."""
         if self.once[s]:  # the replicas meet first (a shared host's stragglers)
             skewed = self.step.skewed
             self.grad[s] = max(self.grad[s], self.free[s], self.launch) + self.once[s] + (
                 skewed.barrier_wait(self.once_group[s], self.carry[s]) if skewed else 0.0)
             self.carry[s], self.once[s] = 0.0, 0.0
+        if self.sums[s]:  # the merged shard all-reduces once every bucket is done (StepFacts.shard_sums)
+            self.grad[s] = max(self.grad[s], self.free[s], self.launch) + self.sums[s]
+            self.sums[s] = 0.0
 
     def update(self, s: int) -> float:
         """Plays stage ``s``'s gradient tail, optimizer and (ZeRO-1/2) re-gather; returns when the stage is done."""

@@ -118,6 +118,7 @@ class StepPrices:
         rings = [ring_neighbours(stage_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if facts.plan.mesh.context > 1
                  else (reps[s], reps[s]) for s in range(p)]
         self.tied_s = tied_seconds(topology, ids, facts.tied_bytes)
+        self.shard_sum_s = tuple(self._shard_sum(s) for s in range(p))
         self.prices: dict[tuple[int, int, str], ActionPrice] = {}
         self._played: dict[tuple, ActionPrice] = {}  # :meth:`played`'s memo
         # :meth:`_reduce`'s memo, kept per topology across plans alike in all it reads beside its arguments: the
@@ -155,6 +156,15 @@ class StepPrices:
                     self.prices[(s, c, work.kind)] = alike[(key, work.kind)] = priced._replace(
                         block_gathers=per_block if len(set(per_block)) > 1 else (), gather_parts=merges,
                         held_gathers=held)
+
+    def _shard_sum(self, s: int) -> float:
+        """Seconds of stage ``s``'s merged all-reduces of its gradient shards (StepFacts.shard_sums; 0: none), as
+        testbed.sim.graph.grad_tasks.shard_sum_task issues them after the stage's last bucket."""
+        merged = next((r for r in self.facts.reductions if r.rest_merged), None)
+        if merged is None or not self.facts.shard_sums:
+            return 0.0
+        nbytes, n = self.facts.shard_sums[s]
+        return n * self.coll.time("all_reduce", merged.rest, s, nbytes / n) if n else 0.0
 
     def played(self, s: int, c: int, kind: str, grads: Gradients) -> ActionPrice:
         """The price of chunk ``c``'s ``kind`` action on stage ``s`` as played with ``grads`` (testbed.sim.step.step_rules'
@@ -446,7 +456,7 @@ class StepPrices:
                 scatter = op if op and not (r.expert or r.sequence) else r.scatter_op
                 add(scatter, n * self.coll.time(scatter, r.sharded, stage, size / n), r.sharded, size / n)
                 syncs.append((r.ways, n))
-            if r.rest:
+            if r.rest and not r.rest_merged:  # a merged one after the stage's last bucket (StepPrices.shard_sum_s)
                 n_ar = allreduce_count(self.facts.reductions, leaves, size, nbytes, special[0], r.expert)
                 each = (size - token) / r.ways / n_ar
                 add("all_reduce", n_ar * self.coll.time("all_reduce", r.rest, stage, each), r.rest, each)

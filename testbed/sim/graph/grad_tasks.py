@@ -42,7 +42,7 @@ from __future__ import annotations
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.graph.tasks import Builder, TaskKind, axis_groups_cached, rep_group
 
-__all__ = ["reduce_tasks", "tied_task"]
+__all__ = ["reduce_tasks", "tied_task", "shard_sum_task"]
 
 
 def allreduce_count(reductions: tuple, leaves: float, size: float, nbytes: float, experts: float = 0.0,
@@ -75,7 +75,8 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
     Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
     data, fsdp, expert and context, routed experts' over those but expert): a reduce-scatter over those of
     them the optimizer state is sharded on (fsdp; data with ZeRO >= 1), then an all-reduce of the shard over
-    the rest (HSDP: data without ZeRO; expert, context).
+    the rest (HSDP: data without ZeRO; expert, context), but where the compiler merges the shards' all-reduces
+    across the backward (Reduction.rest_merged: :func:`shard_sum_task`, after the stage's last bucket).
     """
     out = []
     for r in reductions:
@@ -95,7 +96,7 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
                          group=rep_group(g, rep), instances=g)
         token = tail[0] if not (r.expert or r.sequence or r.sharded) else 0.0
         extra = loss if not (r.expert or r.sequence or r.sharded) else 0.0
-        if r.rest:
+        if r.rest and not r.rest_merged:  # a merged one leaves after the stage's last bucket (shard_sum_task)
             g = axis_groups_cached(groups, plan, list(r.rest), s)
             n = allreduce_count(reductions, leaves, size, nbytes, special[0], r.expert)
             last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream=stream, kind=TaskKind.COLLECTIVE,
@@ -109,6 +110,21 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
                          deps=(last,), op="all_reduce", nbytes=token / r.ways, group=rep_group(g, rep), instances=g)
         out.append(last)
     return out
+
+
+def shard_sum_task(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int, rep: int, after: tuple[int, ...],
+                   sums: tuple[float, int]) -> int | None:
+    """The stage's merged all-reduces of its gradient shards over the replicated axes (StepFacts.shard_sums ``sums``:
+    bytes per device, how many; testbed.sim.xla.xla_tpu.merges_shard_sums), once every task of ``after`` (the
+    stage's reductions: its last reduce-scatter among them) is done; None where there are none."""
+    merged = next((r for r in reductions if r.rest_merged), None)
+    nbytes, n = sums
+    if merged is None or not n:
+        return None
+    g = axis_groups_cached(groups, plan, list(merged.rest), s)
+    return b.add(name="all_reduce shards (merged)", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
+                 deps=tuple(sorted(set(after))), op="all_reduce", nbytes=nbytes / n, count=n,
+                 group=rep_group(g, rep), instances=g)
 
 
 def tied_task(b: Builder, nbytes: float, reps: tuple[int, ...], previous: dict[int, int],

@@ -104,7 +104,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                   allreduce_bytes: float | None = None, fused_updates: bool = False,
                   whole_slice_scatters: bool = False, recompute_gathers: bool = False,
                   narrowed_gathers: bool = False, gather_allreduce: float = 0.0,
-                  held: frozenset[str] = frozenset(), vector_lanes: int = 0) -> Program:
+                  held: frozenset[str] = frozenset(), vector_lanes: int = 0, merged_sums: bool = False) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
@@ -122,10 +122,12 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         whole_slice_scatters, recompute_gathers, narrowed_gathers, gather_allreduce, vector_lanes: XLA:TPU's
             collective rules (testbed.sim.xla.xla_tpu; step_facts).
         held: the collective kinds played in program order with the compute (DeviceSpec.held_collectives).
+        merged_sums: HSDP's shard all-reduces merged after the backward (testbed.sim.xla.xla_tpu.merges_shard_sums).
     """
     return program_of(step_facts(plan, placement.device_ids, combine_bytes, schedule, chained_gathers,
                                  native_reductions, allreduce_bytes, fused_updates, whole_slice_scatters,
-                                 recompute_gathers, narrowed_gathers, gather_allreduce, held, vector_lanes), placement,
+                                 recompute_gathers, narrowed_gathers, merged_sums, gather_allreduce, held,
+                                 vector_lanes), placement,
                       controller=controller, serial=serial)
 
 

@@ -38,8 +38,9 @@ from testbed.sim.step.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMU
 from testbed.sim.step.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.step.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
 from testbed.sim.xla.xla_tpu import (VECTOR_LANES, accumulate_op, gather_allreduce_bytes, lowered_reductions,
-                                     lowering_of, lowers_vectors, matmul_gather_bytes, merges_loss, narrows_gathers,
-                                     regathers_for_recompute, scatters_as_allreduce)
+                                     lowering_of, lowers_vectors, matmul_gather_bytes, merged_shard_sums, merges_loss,
+                                     merges_shard_sums, narrows_gathers, regathers_for_recompute,
+                                     scatters_as_allreduce, shard_sum_count)
 
 if TYPE_CHECKING:
     from testbed.topology import Topology
@@ -86,6 +87,10 @@ class StepFacts:
     #: The collective kinds played in program order with the compute (testbed.topology.parts.DeviceSpec.
     #: held_collectives; testbed.sim.step.step_rules.held_stream).
     held: frozenset[str] = frozenset()
+    #: Per stage, the merged all-reduces of the gradient shards over the replicated axes (Reduction.rest_merged): (bytes
+    #: per device, how many), issued once the stage's last reduce-scatter is done (testbed.sim.xla.xla_tpu.
+    #: merges_shard_sums); empty: none, each bucket all-reduces its own.
+    shard_sums: tuple[tuple[float, int], ...] = ()
     #: :meth:`dispatch_buffers` per (stage, chunk, kind, accumulated), filled as the step's actions ask.
     _buffers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -167,14 +172,15 @@ def topology_rules(topology: Topology) -> dict[str, Any]:
             "fused_updates": device.fused_updates(), "whole_slice_scatters": scatters_as_allreduce(topology),
             "recompute_gathers": regathers_for_recompute(topology),
             "narrowed_gathers": narrows_gathers(topology), "gather_allreduce": gather_allreduce_bytes(topology),
-            "vector_lanes": VECTOR_LANES if lowers_vectors(topology) else 0, "held": device.held_collectives()}
+            "vector_lanes": VECTOR_LANES if lowers_vectors(topology) else 0, "held": device.held_collectives(),
+            "merged_sums": merges_shard_sums(topology)}
 
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                schedule: Schedule | None = None, chained_gathers: bool = False,
                native_reductions: bool = False, allreduce_bytes: float | None = None,
                fused_updates: bool = False, whole_slice_scatters: bool = False,
-               recompute_gathers: bool = False, narrowed_gathers: bool = False,
+               recompute_gathers: bool = False, narrowed_gathers: bool = False, merged_sums: bool = False,
                gather_allreduce: float = 0.0, held: frozenset[str] = frozenset(), vector_lanes: int = 0) -> StepFacts:
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
@@ -193,15 +199,14 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         recompute_gathers: under full remat a layer's backward gathers its recomputation's leaves apart from its
             gradients' (XLA:TPU: testbed.sim.xla.xla_tpu.regathers_for_recompute).
         narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weights and activations only matmuls read in bf16, over
-            a whole slice small buffers as merged all-reduces, and (``vector_lanes``; 0: none) rank-1 leaves too
-            (testbed.sim.xla.xla_tpu). held: the kinds played in order with the compute (:func:`held_kinds`)."""
+            a whole slice small buffers as merged all-reduces, and (``vector_lanes``; 0: none) rank-1 leaves too;
+            ``merged_sums``: it merges HSDP's shard sums (testbed.sim.xla.xla_tpu). held: :func:`held_kinds`."""
     mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
     schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
                                                                                                order_of(schedule))
     (param_b, grad_b, _), sharding = state_bytes_per_param(plan), state_sharding(plan)
-    o_ways = sharding.ways(plan, "optimizer")
-    per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
-    reductions = lowered_reductions(parameter_reductions(plan, sharding.optimizer), mesh, whole_slice_scatters)
+    o_ways, per_microbatch = sharding.ways(plan, "optimizer"), tuple(Axis(a) for a in gradient_reduction(plan)[0])
+    reductions = step_reductions(plan, sharding.optimizer, whole_slice_scatters, merged_sums)
     combine = combine_limit(combine_bytes, plan.runtime.gather_combine_bytes)
     gathered = (matmul_gather_bytes(plan, param_b) if narrowed_gathers else 0.0,  # XLA:TPU's gathers' rules
                 lowering_of(gather_allreduce, allreduce_bytes, sharding.ways(plan, "params"), mesh.size, vector_lanes))
@@ -221,15 +226,41 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         return out
 
     chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))
-    updates = tuple(stage_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b,
-                                 fused_updates) for s in range(p))
+    updates = tuple(stage_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b,
+                                 grad_b, fused_updates) for s in range(p))
     return StepFacts(plan=plan, schedule=schedule, order=order,
                      representatives=tuple(int(device_ids[s].flat[0]) for s in range(p)),
                      param_bytes=param_b, grad_bytes=grad_b, params_axes=sharding.params,
                      params_ways=sharding.ways(plan, "params"), optimizer_ways=o_ways, per_microbatch=per_microbatch,
                      reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates,
                      tied_bytes=tied_copy_bytes(plan, reduce_bytes(plan, grad_b)),
-                     accumulate_op=accumulate_op(per_microbatch, mesh, whole_slice_scatters), held=held_kinds(plan, held))
+                     accumulate_op=accumulate_op(per_microbatch, mesh, whole_slice_scatters), held=held_kinds(plan, held),
+                     shard_sums=shard_sums(reductions, chunks, reduce_bytes(plan, grad_b), allreduce_bytes))
+
+
+def step_reductions(plan: Plan, optimizer_axes: tuple[Axis, ...], whole_slice_scatters: bool, merged_sums: bool
+                    ) -> tuple[Reduction, ...]:
+    """StepFacts.reductions: each parameter kind's (testbed.sim.step.update_facts.parameter_reductions) as the
+    compiler makes them (testbed.sim.xla.xla_tpu: ``lowered_reductions`` where ``whole_slice_scatters``,
+    ``merged_shard_sums`` where ``merged_sums``)."""
+    lowered = lowered_reductions(parameter_reductions(plan, optimizer_axes), plan.mesh, whole_slice_scatters)
+    return merged_shard_sums(lowered, merged_sums)
+
+
+def shard_sums(reductions: tuple, chunks: tuple, reduce_b: float, allreduce_bytes: float | None
+               ) -> tuple[tuple[float, int], ...]:
+    """StepFacts.shard_sums: per stage, the bytes per device of its chunks' gradient shards that the reductions
+    marked ``rest_merged`` all-reduce (each chunk's gradients, ChunkFacts.reduced.last, less the kinds apart, over
+    the reduce-scatter's ways) and the merged all-reduces they pack into (testbed.sim.xla.xla_tpu.shard_sum_count);
+    empty where none is so marked."""
+    merged = [r for r in reductions if r.rest_merged]
+    if not merged:
+        return ()
+    out = []
+    for stage in chunks:
+        nbytes = sum(r.size(c.reduced.last, c.special(1.0, reduce_b)) / r.ways for c in stage for r in merged)
+        out.append((nbytes, shard_sum_count(nbytes, allreduce_bytes)))
+    return tuple(out)
 
 
 def held_kinds(plan: Plan, held) -> frozenset[str]:

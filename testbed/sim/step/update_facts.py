@@ -64,6 +64,9 @@ class Reduction:
     #: lowers a reduce-scatter over the whole slice as an all-reduce of the whole gradient (testbed.sim.xla.xla_tpu:
     #: the same bytes, merged by the all-reduce combiner).
     scatter_op: str = "reduce_scatter"
+    #: Whether the all-reduces of the shards over ``rest`` leave the buckets for the stage's merged ones, issued after
+    #: its last reduce-scatter (testbed.sim.xla.xla_tpu.merges_shard_sums; StepFacts.shard_sums).
+    rest_merged: bool = False
 
     def size(self, nbytes: float, special: tuple[float, float]) -> float:
         """Bytes this reduction sums of a bucket of ``nbytes`` (``special``: ChunkFacts.special's shares)."""
