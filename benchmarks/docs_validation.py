@@ -357,7 +357,7 @@ def programs_section(data: dict) -> list[str]:
            f"traced tier: step time median {_f(step['median_abs'])}, max {_f(step['max_abs'])} (goal: median 10%). "
            "The traced memory estimate, as XLA:TPU's fusion keeps values (no matmul result that only its fused "
            "consumers read, elementwise results recomputed in their readers' kernels, ReLU masks as predicates, "
-           "fp32 matmul inputs as bf16 copies), is median "
+           "fp32 matmul inputs as bf16 copies, no buffer for a collective over one device), is median "
            f"{_f(memory['median_abs'])}, max {_f(memory['max_abs'])} above XLA:TPU's memory analysis: XLA:TPU also "
            "holds values in VMEM, not modelled.",
            ""]

@@ -87,6 +87,22 @@ def test_all_reduces_xla_combines_keep_their_operands_and_results_live_together(
     assert totals[True] - totals[False] >= 2 * square
 
 
+def test_a_collective_over_one_device_is_its_operand() -> None:
+    """XLA removes a collective whose group is one device (AllReduceSimplifier; the pipeline's 16 all-reduces and 6
+    collective-permutes on a one-device mesh are gone from XLA:TPU's compile): the merged all-reduce of three
+    products over ``data`` of size 1 holds no results of its own, as the same body without the psums; on two
+    devices it does (the test above)."""
+    def plain(x, w):
+        outs = [jnp.tanh(x.T @ x) for _ in range(3)]
+        return outs[0] + outs[1] + outs[2] + w
+
+    mesh = abstract_mesh({"data": 1})
+    shapes = (sd((N, D), jnp.float32), sd((D, D), jnp.float32))
+    alone = jax.shard_map(_psums(combine=True), mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    unsummed = jax.shard_map(plain, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    assert trace(alone, *shapes, mesh=mesh).memory["total"] == trace(unsummed, *shapes, mesh=mesh).memory["total"]
+
+
 def test_xla_cpu_holds_an_f32_copy_of_each_bf16_matmul_operand() -> None:
     """XLA:CPU computes a bf16 dot in f32 between converts (``device.bf16_matmuls: fp32``): each operand's f32 copy
     is in memory while the dot runs (a ViT's compiled step: 60 ``wrapped_convert`` fusions, its memory analysis

@@ -1,7 +1,8 @@
 """A live-range estimate of one device's peak memory over a partitioned program (no devices, no compile).
 
 The step's arguments are live throughout. The program is read as XLA compiles it: a shard_map body is inlined
-(XLA's partitioner leaves no region), a passthrough (reshape, transpose, broadcast) reads its source's buffer.
+(XLA's partitioner leaves no region), a passthrough (reshape, transpose, broadcast) reads its source's buffer, and
+so does a collective over one device (:func:`_alone`).
 Walking each block in program order, a materialized value (testbed.runner.program.compile's fusion
 approximation: what a matmul, collective, reduction, loop or call writes, or what such an op reads; and an
 elementwise result read after a matmul or collective when XLA would not recompute it there, :func:`_readers`)
@@ -79,11 +80,22 @@ def _flatten(block: Block, functions: dict | None = None) -> tuple[list, dict]:
                 nodes.append(inlined)
             alias.update(zip(node.results, [rename(v) for v in body.yields]))
             continue
+        if _alone(node):  # a collective over one device is its operand
+            node = dataclasses.replace(node, kind="passthrough")
         if node.kind == "passthrough" and node.operands:
             sources = node.operands if len(node.operands) == len(node.results) else node.operands[:1] * len(node.results)
             alias.update(zip(node.results, sources))
         nodes.append(node)
     return nodes, alias
+
+
+def _alone(node) -> bool:
+    """Whether ``node`` is a collective whose group is one device (its results shaped as its operands): XLA
+    removes it (``AllReduceSimplifier``, xla/service/all_reduce_simplifier.cc: each result is its operand; XLA:TPU's
+    compiles of the held-out programs on one-device meshes keep none of the pipeline's 16 all-reduces and 6
+    collective-permutes, the transformer's 27 collectives or the MoE's 4: benchmarks/tpu_chip/programs.json compiled
+    deviceless with libtpu 0.0.42.1)."""
+    return node.kind == "collective" and node.collective[2] == 1 and len(node.operands) == len(node.results)
 
 
 def _root(alias: dict, v):
