@@ -356,9 +356,10 @@ def programs_section(data: dict) -> list[str]:
            f"{rec['device_kind']} chip ({rec['date']}, `{rec['command']}`) and predicted on the current `tpu-v5e-1` by the "
            f"traced tier: step time median {_f(step['median_abs'])}, max {_f(step['max_abs'])} (goal: median 10%). "
            "The traced memory estimate, as XLA:TPU's fusion keeps values (no matmul result that only its fused "
-           "consumers read, elementwise results recomputed in their readers' kernels), is median "
+           "consumers read, elementwise results recomputed in their readers' kernels, ReLU masks as predicates, "
+           "fp32 matmul inputs as bf16 copies, no buffer for a collective over one device), is median "
            f"{_f(memory['median_abs'])}, max {_f(memory['max_abs'])} above XLA:TPU's memory analysis: XLA:TPU also "
-           "writes matmul inputs in bf16, ReLU masks as predicates and holds values in VMEM, none of it modelled.",
+           "holds values in VMEM, not modelled.",
            ""]
     rows = [(name, r["dtype"], f"{r['flops_per_device'] / 1e9:.0f}", f"{r['measured_s'] * 1e3:.2f}",
              f"{r['predicted_s'] * 1e3:.2f}", _signed(r["error"]), f"{r['memory_xla'] / 1e9:.2f}",

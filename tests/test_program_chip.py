@@ -72,8 +72,9 @@ def test_the_deviceless_compile_is_the_chips_memory_analysis() -> None:
 
 
 def test_the_memory_estimate_on_the_chip_holds_xla_tpus_from_above() -> None:
-    """On ``tpu-v5e-1`` the live-range estimate is XLA:TPU's fusion's (testbed.runner.program.memory, fusing):
-    what it leaves out (bf16 copies of matmul inputs, ReLU masks as predicates, values in VMEM: the chip's
-    memory-usage reports) only takes bytes off, so every program's estimate is at least its memory analysis."""
+    """On ``tpu-v5e-1`` the live-range estimate is XLA:TPU's fusion's (testbed.runner.program.memory, fusing and
+    rounded: fp32 matmul inputs kept as bf16 copies, ReLU masks as predicates): what it leaves out (values in VMEM:
+    the chip's memory-usage reports) only takes bytes off, so every program's estimate is at least its memory
+    analysis."""
     rows = _report()["rows"]
     assert all(row["memory_estimate"] >= row["memory_xla"] for row in rows.values()), rows

@@ -148,10 +148,11 @@ def _with_tpu_memory(spec: str, workload: Any, step: Any, args: Any, mesh: Any, 
     with reported(spec, f"being compiled by XLA:TPU for {target.name}"):
         report = compile_program(step, args, mesh, spec.rpartition(":")[2])
     m = report.memory
-    estimate = {k: v for k, v in workload.memory.items() if k not in ("total_fp32_matmuls", "total_fused_matmuls")}
+    estimate = {k: v for k, v in workload.memory.items() if k not in ("total_fp32_matmuls", "total_fused_matmuls",
+                                                                  "total_fused_bf16_matmuls")}
     memory = {"arguments": float(m.argument), "outputs": float(m.output), "temporaries": float(m.temp),
               "total": float(m.total),
-              "live_range_estimate": workload.memory.get("total_fused_matmuls", workload.memory.get("total")),
+              "live_range_estimate": workload.memory.get("total_fused_bf16_matmuls", workload.memory.get("total")),
               "method": f"XLA:TPU's memory analysis of the step compiled for {target.name} (deviceless)",
               "compiled": report.to_dict()}
     return dataclasses.replace(workload, memory={**estimate, **memory})

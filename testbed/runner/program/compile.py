@@ -103,6 +103,12 @@ class Node:
     callee: str = ""
     #: A static slice's attributes (:data:`CSE_OPS`): with its operands, what makes two of them one to XLA's CSE.
     attributes: str = ""
+    #: Each result's element type as the module writes it (``f32``, ``bf16``, ``i1``; "" for a token or tuple): what
+    #: a device's storage rules read (testbed.runner.program.memory).
+    types: list = field(default_factory=list)
+    #: A matmul's or convolution's ``precision_config`` (``default`` unless the program asks for ``high`` or
+    #: ``highest``): what a device that rounds fp32 matmuls at the default precision reads (``fp32_matmuls``).
+    precision: str = "default"
 
 
 @dataclass(slots=True)
@@ -181,6 +187,7 @@ class _Reader:
                 yields = list(op.operands)
                 continue
             node = self.node(op, name)
+            node.types = [_element(r) for r in node.results]
             if node.kind in ("while", "case", "region", "call"):
                 node.writes = [self.nbytes(r) for r in node.results]
             size += 1 + sum(b.size for b in node.blocks) * max(1, node.trips)
@@ -295,8 +302,10 @@ class _Reader:
         k = math.prod(lhs[d] for d in ints.get("lhs_contracting_dimensions", []))
         self._dtype(operands[0])
         self.moved_dots += _moved_to_the_contraction(operands, results)
-        return self._gemm("stablehlo.dot_general", operands, results, Gemm(m=max(1, m), n=max(1, n), k=max(1, k),
+        node = self._gemm("stablehlo.dot_general", operands, results, Gemm(m=max(1, m), n=max(1, n), k=max(1, k),
                                                                          batch=max(1, batch)))
+        node.precision = _precision(op)
+        return node
 
     def convolution(self, op: Any, operands: list, results: list) -> Node:
         """A convolution as its implicit GEMM: (batch x output positions) by output features, reducing over the
@@ -319,7 +328,9 @@ class _Reader:
         stored = math.prod(lhs) // groups if lhs else 0  # the input an implicit GEMM reads (Gemm.stored_lhs)
         gemm = Gemm(m=max(1, m), n=max(1, n // groups), k=max(1, k), batch=groups,
                     stored_lhs=stored if 0 < stored < m * k else 0)
-        return self._gemm("stablehlo.convolution", operands, results, gemm)
+        node = self._gemm("stablehlo.convolution", operands, results, gemm)
+        node.precision = _precision(op)
+        return node
 
     def _gemm(self, name: str, operands: list, results: list, gemm: Gemm) -> Node:
         return Node(kind="gemm", name=name, operands=operands, results=results, flops=gemm.flops, gemm=gemm,
@@ -346,6 +357,23 @@ class _Reader:
         node = self.memory("stablehlo.custom_call", operands, results)
         node.roots = [True] * len(results)
         return node
+
+
+def _element(value: Any) -> str:
+    """A value's element type as the module writes it (``f32``, ``bf16``, ``i1``); "" for a token or tuple."""
+    from jaxlib.mlir import ir
+
+    try:
+        return str(ir.RankedTensorType(value.type).element_type)
+    except (ValueError, TypeError):
+        return ""
+
+
+def _precision(op: Any) -> str:
+    """A matmul's or convolution's precision: ``highest`` or ``high`` where its ``precision_config`` names one for
+    an operand, else ``default`` (no config, or ``DEFAULT`` for each: jax's ``Precision.DEFAULT``)."""
+    text = str(op.attributes["precision_config"]).upper() if "precision_config" in op.attributes else ""
+    return "highest" if "HIGHEST" in text else "high" if "HIGH" in text else "default"
 
 
 def _op_name(owner: Any) -> str:

@@ -1,7 +1,8 @@
 """A live-range estimate of one device's peak memory over a partitioned program (no devices, no compile).
 
 The step's arguments are live throughout. The program is read as XLA compiles it: a shard_map body is inlined
-(XLA's partitioner leaves no region), a passthrough (reshape, transpose, broadcast) reads its source's buffer.
+(XLA's partitioner leaves no region), a passthrough (reshape, transpose, broadcast) reads its source's buffer, and
+so does a collective over one device (:func:`_alone`).
 Walking each block in program order, a materialized value (testbed.runner.program.compile's fusion
 approximation: what a matmul, collective, reduction, loop or call writes, or what such an op reads; and an
 elementwise result read after a matmul or collective when XLA would not recompute it there, :func:`_readers`)
@@ -17,10 +18,12 @@ buffer assignment (docs/program.md).
 ``fusing`` (a device whose compiler fuses elementwise producers and consumers into its matmuls,
 ``DeviceSpec.fuses_into_matmuls``: XLA:TPU, testbed.sim.xla.matmul_fusion): calls are inlined (XLA's
 ``CallInliner``), a matmul's result is kept only where a barrier or a later span reads it, a matmul computes the
-elementwise results it reads in its own kernel, and every elementwise result read across a barrier is recomputed
-there (:func:`_readers`). The chip's compiles of the eight held-out programs (benchmarks/tpu_chip/programs.json)
-then hold 1.09-2.5x less than this estimate: XLA:TPU also writes matmul inputs in bf16, ReLU masks as predicates
-and places values in VMEM (their memory-usage reports), which this estimate does not model.
+elementwise results it reads in its own kernel, every elementwise result read across a barrier is recomputed
+there, and a comparison read there is kept as its predicate (a ReLU's mask: :data:`KEPT_MASKS`, :func:`_readers`).
+``rounded`` (a device that also runs fp32 matmuls on bf16-rounded operands, ``DeviceSpec.fp32_matmuls: bf16``): an
+f32 value only such matmuls read is kept as its bf16 copy (testbed.runner.program.rounding). The chip's compiles of
+the eight held-out programs (benchmarks/tpu_chip/programs.json) then hold 1.04-1.9x less than this estimate: XLA:TPU
+also places values in VMEM (their memory-usage reports), which this estimate does not model.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from testbed.runner.program.compile import Block, Compiled
+from testbed.runner.program.rounding import BF16Copies, matmul_only
 
 __all__ = ["peak_bytes"]
 
@@ -76,11 +80,22 @@ def _flatten(block: Block, functions: dict | None = None) -> tuple[list, dict]:
                 nodes.append(inlined)
             alias.update(zip(node.results, [rename(v) for v in body.yields]))
             continue
+        if _alone(node):  # a collective over one device is its operand
+            node = dataclasses.replace(node, kind="passthrough")
         if node.kind == "passthrough" and node.operands:
             sources = node.operands if len(node.operands) == len(node.results) else node.operands[:1] * len(node.results)
             alias.update(zip(node.results, sources))
         nodes.append(node)
     return nodes, alias
+
+
+def _alone(node) -> bool:
+    """Whether ``node`` is a collective whose group is one device (its results shaped as its operands): XLA
+    removes it (``AllReduceSimplifier``, xla/service/all_reduce_simplifier.cc: each result is its operand; XLA:TPU's
+    compiles of the held-out programs on one-device meshes keep none of the pipeline's 16 all-reduces and 6
+    collective-permutes, the transformer's 27 collectives or the MoE's 4: benchmarks/tpu_chip/programs.json compiled
+    deviceless with libtpu 0.0.42.1)."""
+    return node.kind == "collective" and node.collective[2] == 1 and len(node.operands) == len(node.results)
 
 
 def _root(alias: dict, v):
@@ -98,9 +113,17 @@ EXPENSIVE = frozenset(f"stablehlo.{op}" for op in (
     "tanh", "logistic", "atan2", "cosine", "sine", "tan", "remainder", "erf")) | {"chlo.erf", "chlo.tan"}
 
 
-def _readers(block: Block, functions: dict, fusing: bool = False) -> tuple[dict, set, set]:
-    """(value -> index of its last reader, values an HBM reader reads, values read across a barrier), each value
-    taken through passthroughs to the one it reads.
+#: Elementwise ops whose results a fusing compiler keeps in HBM where a later span reads them, rather than recompute
+#: them there from their operands: a comparison's predicate (a ReLU's mask, ``x > 0``, read by its backward's
+#: ``select``), one byte an element. XLA:TPU's compiles of the held-out programs keep each such mask as its own
+#: ``pred`` buffer (the CNN's ``pred[256,16,16,128]``, 8 MiB, beside no f32 of its operand: its memory-usage report,
+#: benchmarks/tpu_chip/programs.json's programs compiled deviceless with libtpu 0.0.42.1).
+KEPT_MASKS = frozenset({"stablehlo.compare"})
+
+
+def _readers(block: Block, functions: dict, fusing: bool = False, rounded: bool = False) -> tuple[dict, set, set, set]:
+    """(value -> index of its last reader, values an HBM reader reads, values read across a barrier, values whose
+    bf16 copy a matmul reads), each value taken through passthroughs to the one it reads.
 
     A barrier is a matmul, collective, loop, call or custom call: no fusion reaches across one (the fusion
     estimate's multi-output rule: testbed.runner.program.evaluate). An elementwise result read after one is read
@@ -111,19 +134,23 @@ def _readers(block: Block, functions: dict, fusing: bool = False) -> tuple[dict,
 
     ``fusing`` (XLA:TPU, :func:`peak_bytes`): a matmul's result is made like an expensive elementwise result (its
     elementwise consumers and reductions run in the matmul's kernel; kept when a barrier or a later span reads it),
-    and a matmul reading a cheap elementwise result computes it in its own kernel (a producer fusion): that result's
-    operands are read there, each kept in HBM, not the result."""
+    a matmul reading a cheap elementwise result computes it in its own kernel (a producer fusion: that result's
+    operands are read there, each kept in HBM, not the result) and a comparison is kept (:data:`KEPT_MASKS`);
+    ``rounded``: a matmul reads an elementwise result's bf16 copy where testbed.runner.program.rounding says."""
     nodes, alias = _flatten(block, functions if fusing else None)
     last: dict = {}
     made: dict = {}    # elementwise result -> (barriers before it, its node)
     sunk = {_root(alias, v) for v in block.yields}
     far: set = set()
+    copies = BF16Copies(nodes, _reads(alias, functions), block.args, sunk, last) if rounded else None
     barriers = 0
 
     def read(v, i: int) -> None:
         last[v] = i  # in HBM anyway (an operand of a matmul, say): read from there
         when, node = made.get(v, (barriers, None))
         if sinking and node is not None and node.kind == "memory" and not any(node.roots):
+            if copies is not None and copies.serves(v, i, nodes[i]):  # its bf16 copy, written where it is made
+                return
             for o in node.operands:  # a producer fused into the matmul: its operands are what it reads from HBM
                 read(_root(alias, o), i)
             return
@@ -131,7 +158,7 @@ def _readers(block: Block, functions: dict, fusing: bool = False) -> tuple[dict,
             sunk.add(v)
         if when == barriers or v in far:
             return
-        if any(node.roots) or (node.name in EXPENSIVE and not fusing):
+        if any(node.roots) or (node.name in EXPENSIVE and not fusing) or (fusing and node.name in KEPT_MASKS):
             far.add(v)
             return
         for o in node.operands:  # else recomputed here when it is cheap: its operands are read here
@@ -153,7 +180,7 @@ def _readers(block: Block, functions: dict, fusing: bool = False) -> tuple[dict,
         barriers += sink
         if node.kind == "memory" or (fusing and node.kind == "gemm"):
             made.update((r, (barriers, node)) for r in node.results)
-    return last, sunk, far
+    return last, sunk, far, copies.values if copies is not None else set()
 
 
 def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
@@ -197,20 +224,35 @@ def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
     return out
 
 
+def _reads(alias: dict, functions: dict):
+    """node -> (what its operands read, what its nested blocks read), through passthroughs (testbed.runner.program.
+    rounding's ``reads``)."""
+    return lambda node: ([_root(alias, v) for v in node.operands],
+                         [_root(alias, v) for b in node.blocks for v in _uses(b, functions)])
+
+
+def _with_copies(node, bf16: set, written: list, kept: list) -> tuple[list, list]:
+    """``node``'s results written and kept, with the bf16 copy of each in ``bf16`` (half its bytes) beside them."""
+    copies = [(("bf16", r), w / 2) for r, w in zip(node.results, node.writes) if r in bf16]
+    return written + copies, kept + [r for r, _ in copies]
+
+
 def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None = None, apart: bool = False,
-                fusing: bool = False) -> float:
+                fusing: bool = False, rounded: bool = False) -> float:
     """Peak bytes the block allocates above what is live when it starts (its arguments not counted); ``upcast``:
     the entry's argument sizes where each bf16 matmul operand also has an f32 copy (:func:`_f32_copies`);
     ``apart``: the block's results are the step's outputs, each an allocation of its own (:class:`_OutputSlots`);
-    ``fusing``: a matmul's result is kept only where :func:`_readers` (fusing) needs it in HBM."""
-    key = id(block)
+    ``fusing``: a matmul's result is kept only where :func:`_readers` (fusing) needs it in HBM; ``rounded``: an f32
+    value only default-precision matmuls read kept as its bf16 copy (testbed.runner.program.rounding)."""
+    key, rules = id(block), {"fusing": fusing, "rounded": rounded}
     if key in memo:
         return memo[key]
     memo[key] = 0.0  # guards recursion
-    last, sunk, far = _readers(block, functions, fusing)
+    last, sunk, far, bf16 = _readers(block, functions, fusing, rounded)
     nodes, alias = _flatten(block, functions if fusing else None)
     yields = {_root(alias, v) for v in block.yields}
     merged = _combined(nodes, alias, functions)
+    halves = matmul_only(nodes, _reads(alias, functions), yields, elementwise=False) if rounded else set()
     for m, end in merged.items():  # a member's operands and results live until its group runs, at least
         for v in [_root(alias, o) for o in nodes[m].operands] + list(nodes[m].results):
             last[v] = max(last.get(v, end), end)
@@ -222,13 +264,14 @@ def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None =
     live = peak = 0.0
     slots = _OutputSlots(nodes, yields) if apart else None
     for i, node in enumerate(nodes):
-        inner = max((_block_peak(b, functions, memo, upcast, fusing=fusing) for b in node.blocks), default=0.0)
+        inner = max((_block_peak(b, functions, memo, upcast, **rules) for b in node.blocks), default=0.0)
         if node.kind == "call" and node.callee in functions:
-            inner = _block_peak(functions[node.callee], functions, memo, upcast, fusing=fusing)
+            inner = _block_peak(functions[node.callee], functions, memo, upcast, **rules)
         always = ("collective", *_NESTED) if fusing else ("gemm", "collective", *_NESTED)
         kept = [r for r, root in zip(node.results, node.roots or [True] * len(node.results))
                 if node.kind in always or (root and node.kind != "gemm") or r in sunk or r in far]
-        written = list(zip(node.results, node.writes))
+        written = [(r, w / 2 if r in halves else w) for r, w in zip(node.results, node.writes)]
+        written, kept = _with_copies(node, bf16, written, kept)
         if merged.get(i, i) != i:  # its results are written where its group runs
             kept = []
         elif i in merged:
@@ -292,13 +335,14 @@ def _half(node) -> bool:
     return g is not None and node.writes and node.writes[0] == 2 * g.batch * g.m * g.n
 
 
-def peak_bytes(compiled: Compiled, upcast: bool = False, fusing: bool = False) -> float:
+def peak_bytes(compiled: Compiled, upcast: bool = False, fusing: bool = False, rounded: bool = False) -> float:
     """The step's arguments plus the peak of what its program keeps alive above them (module docstring); ``fusing``:
     as a compiler that fuses elementwise producers and consumers into its matmuls keeps it (XLA:TPU,
-    ``DeviceSpec.fuses_into_matmuls``: :func:`_readers`)."""
+    ``DeviceSpec.fuses_into_matmuls``: :func:`_readers`); ``rounded``: each f32 value that only default-precision
+    matmuls read kept as its bf16 copy (``DeviceSpec.fp32_matmuls: bf16``: testbed.runner.program.rounding)."""
     args = dict(zip(compiled.entry.args, compiled.arg_bytes)) if upcast else None
     return float(sum(compiled.arg_bytes)) + _block_peak(compiled.entry, compiled.functions, {}, args, apart=True,
-                                                        fusing=fusing)
+                                                        fusing=fusing, rounded=rounded)
 
 
 def _while_written(node, live: float, size: dict, slots, inner: float, new: list) -> float:

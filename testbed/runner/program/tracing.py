@@ -217,9 +217,11 @@ def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: 
     memory = {"arguments": arguments, "temporaries": total - arguments, "total": total,
               "total_fp32_matmuls": peak_bytes(compiled, upcast=True),
               "total_fused_matmuls": peak_bytes(compiled, fusing=True),
+              "total_fused_bf16_matmuls": peak_bytes(compiled, fusing=True, rounded=True),
               "method": "live-range estimate over the partitioned program (testbed.runner.program.memory): the step's "
                         "arguments plus the peak of the values it keeps alive (total_fused_matmuls: as a compiler that "
-                        "fuses into matmuls keeps them, XLA:TPU); not XLA's buffer assignment"}
+                        "fuses into matmuls keeps them, XLA:TPU; total_fused_bf16_matmuls: one that also rounds fp32 "
+                        "matmul inputs to bf16); not XLA's buffer assignment"}
     return Workload(name=name, mesh=dict(sizes), ops=tuple(ops), dtype=dtype,
                     assumptions=tuple(compiled.assumptions + notes), memory=memory,
                     buffers=len(compiled.arg_bytes), loops=loops)

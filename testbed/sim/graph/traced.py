@@ -74,11 +74,16 @@ def device_memory(workload: Workload, topology: Topology) -> dict:
     (each bf16 matmul operand's f32 copy, made once and kept to its last matmul: testbed.runner.program.memory),
     that total; where it fuses elementwise producers and consumers into its matmuls (``DeviceSpec.fuses_into_matmuls``,
     XLA:TPU) and the estimate carries ``total_fused_matmuls`` (no matmul result that only its fused consumers read,
-    elementwise results recomputed in their readers' kernels: testbed.runner.program.memory), that total; else the
-    estimate as it is."""
+    elementwise results recomputed in their readers' kernels, comparison masks kept as predicates:
+    testbed.runner.program.memory), that total, or where it also runs fp32 matmuls on bf16-rounded operands
+    (``device.fp32_matmuls: bf16``, XLA:TPU) ``total_fused_bf16_matmuls`` (each f32 value only such matmuls read
+    kept as its bf16 copy); else the estimate as it is."""
     memory = dict(workload.memory)
     upcast = memory.pop("total_fp32_matmuls", None)
     fused = memory.pop("total_fused_matmuls", None)
+    rounded = memory.pop("total_fused_bf16_matmuls", None)
+    if topology.device.fp32_matmuls == "bf16" and rounded is not None:
+        fused = rounded
     held = (upcast if topology.device.bf16_matmuls == "fp32" else
             fused if topology.device.fuses_into_matmuls() else None)
     if held is not None and "total" in memory:
