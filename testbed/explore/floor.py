@@ -199,7 +199,7 @@ def played_at(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
     -> seconds), as :func:`played_floor` plays it at its floors: the latest end."""
     p = plan.mesh.stage
     end: list[float] = []
-    free = [0.0] * p
+    free, add = [0.0] * p, end.append
     for s, action, deps in _floor_order(plan.schedule.name.value, p, plan.batch.microbatches,
                                         plan.schedule.virtual_stages):
         start = free[s]
@@ -208,7 +208,7 @@ def played_at(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
             if t > start:
                 start = t
         free[s] = t = start + priced[s][action]
-        end.append(t)
+        add(t)
     return max(free)
 
 
@@ -216,12 +216,12 @@ def played_at(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
 def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[int, tuple[int, str], tuple[int, ...]], ...]:
     """The schedule's execution order (testbed.sim.step.memo.cached_order) as :func:`_played_floor` plays it: per
     action its stage, its ``(chunk, kind)`` and the positions in the order of every action it waits for, its
-    stage's and other stages' alike (a send arrives no earlier than its sender ends: testbed.sim.step.memo.Waits;
-    each before it: the order puts dependencies first)."""
+    other stages' (a send arrives no earlier than its sender ends: testbed.sim.step.memo.Waits; each before it: the
+    order puts dependencies first). Its own stage's are left out: each ended by the time its stage is free."""
     at: dict[tuple, int] = {}  # an action's key -> its position
     out = []
     for i, (s, a, w) in enumerate(cached_order(name, p, m, v)[1]):
-        out.append((s, (a.chunk, a.kind), tuple(at[key] for key in w.ends + w.receives)))
+        out.append((s, (a.chunk, a.kind), tuple(at[key] for key in w.ends + w.receives if key[0] != s)))
         at[(s, a.kind, a.microbatch, a.chunk)] = i
     return tuple(out)
 

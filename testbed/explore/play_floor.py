@@ -42,13 +42,15 @@ class AboveBar(Exception):
 
 
 def action_floors(step: StepPrices) -> dict[tuple[int, int, str], float]:
-    """Each priced action's floor ``(stage, chunk, kind) -> seconds`` (module docstring)."""
+    """Each action's floor ``(stage, chunk, kind) -> seconds`` (module docstring), from what its price bounds it
+    by (testbed.explore.prices.Least: the collectives only its play reads are not priced for it)."""
     facts = step.facts
     last, rate = facts.last_backward, step.topology.device.comm_slowdown
     out = {}
-    for key, p in step.prices.items():
-        plays = [v for v in (p.plays, p.plays_last, p.plays_scatter) if v]
-        ways = [p.compute, *(sum(block.compute for block in v) for v in plays)]
+    for key in step.actions:
+        p = step.least(key)
+        plays = p.played
+        ways = [p.compute, *plays]
         extra = 0.0
         if key[2] == last:
             if p.piece:

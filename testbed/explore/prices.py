@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from typing import NamedTuple
 
-from testbed.collectives.routed import topology_memo
 from testbed.collectives.timing import send_time
-from testbed.explore.span_times import priced_plays
+from testbed.explore.span_times import played_computes, priced_plays
 from testbed.explore.held_blocks import Part
+from testbed.explore.price_reductions import Reduced, ReductionPrices, reduction_memo
 from testbed.explore.stage_collectives import StageCollectives, stage_groups, tied_seconds
 from testbed.model.gemm import scaled
 from testbed.model.layout import chunk_layers
@@ -23,30 +24,14 @@ from testbed.sim.price.barriers import Syncs, merge
 from testbed.sim.step.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.price.compute import compute_seconds, plan_matmul_dtype
 from testbed.sim.step.facts import StepFacts, accumulate_bytes, alike_key, bucket_share
-from testbed.sim.graph.grad_tasks import allreduce_count
 from testbed.sim.step.moe import Piece
 from testbed.sim.graph.ring import ring_action_seconds, ring_neighbours
 from testbed.sim.step.step_rules import (GatherMode, Gradients, gather_mode, gradients, held_stream, runs_serially,
-                                    sequence_apart, serial_host)
+                                    serial_host)
 from testbed.sim.step.step_rules import pieces as step_pieces
 from testbed.topology import Topology
 
-__all__ = ["StepPrices", "ActionPrice", "PricedSend", "Reduced"]
-
-#: At most this many placements, meshes and reductions alike whose gradient reductions a topology's memo keeps
-#: (:meth:`StepPrices._reduce`).
-_REDUCED = 4096
-
-
-class Reduced(NamedTuple):
-    """One gradient bucket's reduction, priced: its seconds on the grad stream, its collectives as barriers, and its
-    seconds held in program order with the compute (testbed.sim.step.step_rules.held_stream: XLA:TPU's all-reduces)."""
-
-    seconds: float
-    syncs: Syncs
-    held: float = 0.0
-    held_parts: tuple[Part, ...] = ()  # the held collectives one after another: (seconds, what each moves)
-
+__all__ = ["StepPrices", "ActionPrice", "Least", "PricedSend", "Reduced"]
 
 class PricedSend(NamedTuple):
     """One send of an action, priced: its destination stage, its seconds on the sender's pipe stream, and the
@@ -99,7 +84,71 @@ class ActionPrice(NamedTuple):
     held_gathers: tuple[tuple[Part, ...], ...] = ()  # each block's merged gathers held with the compute (held_blocks)
 
 
-class StepPrices:
+class Least(NamedTuple):
+    """What testbed.explore.play_floor bounds an action by, as :class:`ActionPrice` prices it: its compute
+    (``compute``; each way its blocks play span by span, their compute together, in ``played``: plays, plays_last,
+    plays_scatter, those it has; ``piece``, ``pieces`` and ``parts`` as the last microbatch's), ``tensor``,
+    ``hidden``, the accumulator's ``acc``, and what testbed.explore.play_floor.beside_compute reads (0 on a device
+    without ``comm_slowdown``, where nothing reads them)."""
+
+    compute: float
+    tensor: float
+    hidden: float
+    piece: float
+    pieces: int
+    parts: tuple[float, ...]
+    acc: float
+    played: tuple[float, ...]
+    gather: float
+    send_s: float
+    bucket: float
+    scatter: float
+    ring_hidden: float
+    chain: bool
+
+
+class _Core(NamedTuple):
+    """What an action's :class:`ActionPrice` and its :class:`Least` share: its compute, tensor (and hidden)
+    seconds, its last microbatch's pieces, the accumulator's add, the ring's sends beside it, whether it is an MoE
+    chain or a ring, its tp_comm_overlap blocks, whether the last microbatch releases gradient buckets and whether
+    an earlier one reduce-scatters into the accumulator."""
+
+    compute: float
+    tensor: float
+    hidden: float
+    piece: float
+    pieces: int
+    parts: tuple[float, ...]
+    acc: float
+    ring_hidden: float
+    chain: bool
+    blocks: tuple[tuple[float, float, float], ...]
+    ringed: bool
+    release: bool
+    scatters: bool
+
+
+class _Priced(Mapping):
+    """Every action's :class:`ActionPrice`, ``(stage, chunk, kind) -> price``, each priced on first use
+    (StepPrices._priced): a play stopped at the search's bar reads few of them."""
+
+    def __init__(self, step: StepPrices) -> None:
+        self._step, self._done = step, {}
+
+    def __getitem__(self, key: tuple[int, int, str]) -> ActionPrice:
+        hit = self._done.get(key)
+        if hit is None:
+            hit = self._done[key] = self._step._priced(key)
+        return hit
+
+    def __iter__(self):
+        return iter(self._step.actions)
+
+    def __len__(self) -> int:
+        return len(self._step.actions)
+
+
+class StepPrices(ReductionPrices):
     """The step's facts priced on a topology: every action's :class:`ActionPrice`, and what the play reads of the
     calibration (the controller, a shared host's stragglers, programs one at a time)."""
 
@@ -119,43 +168,92 @@ class StepPrices:
                  else (reps[s], reps[s]) for s in range(p)]
         self.tied_s = tied_seconds(topology, ids, facts.tied_bytes)
         self.shard_sum_s = tuple(self._shard_sum(s) for s in range(p))
-        self.prices: dict[tuple[int, int, str], ActionPrice] = {}
+        self.prices: Mapping[tuple[int, int, str], ActionPrice] = _Priced(self)  # each priced on first use
         self._played: dict[tuple, ActionPrice] = {}  # :meth:`played`'s memo
-        # :meth:`_reduce`'s memo, kept per topology across plans alike in all it reads beside its arguments: the
-        # placement (its collectives' groups), the mesh, the reductions and the collectives held with the compute.
-        reduced = topology_memo(topology).setdefault("reduced", {})
-        if len(reduced) > _REDUCED:
-            reduced.clear()
-        self._reduced: dict[tuple, Reduced] = reduced.setdefault(
-            (self.coll.placement, facts.plan.mesh, facts.reductions, facts.held), {})
+        self._reduced = reduction_memo(topology, self.coll.placement, facts)  # :meth:`_reduce`'s
         self._sent: dict[tuple, PricedSend] = {}  # :meth:`_sends`' memo
+        self._rings = rings
+        # Every action (s, c, kind) -> (its chunk, its work, the first chunk of its stage alike to it,
+        # testbed.sim.step.facts.alike_key, whose prices but its sends are its own), in the step's order.
+        self.actions: dict[tuple[int, int, str], tuple[ChunkFacts, ActionWork, int]] = {}
+        self._cores: dict[tuple[int, int, str], _Core] = {}  # :meth:`_core`'s memo, of the first alike chunks
+        self._leasts: dict[tuple[int, int, str], Least] = {}  # :meth:`least`'s memo, of the first alike chunks
+        self._spans: dict[tuple, dict] = {}  # the span plays' compute items' seconds (span_times' ``spans``)
         plan, v = facts.plan, facts.virtual
         spans = chunk_layers(plan.model, p, v, plan.stage_layers)
         for s in range(p):
-            alike: dict[tuple, ActionPrice] = {}  # the stage's chunks alike (testbed.sim.step.facts.alike_key): priced once
+            alike: dict[tuple, int] = {}  # the stage's chunks alike (testbed.sim.step.facts.alike_key): priced once
             for c, chunk in enumerate(facts.chunks[s]):
                 key = alike_key(plan, p, v, s, c, spans[s][c])
                 for work in chunk.actions:
-                    hit = alike.get((key, work.kind))
-                    if hit is not None:  # all but its sends are the alike chunk's
-                        sends = self._sends(s, work)
-                        self.prices[(s, c, work.kind)] = hit._replace(
-                            sends=sends, send_s=sum(x.seconds for x in sends) if sends else 0.0)
-                        continue
-                    gather, per_block, merges, held = 0.0, (), (), ()
-                    mode = gather_mode(facts, work)
-                    if mode is GatherMode.WHOLE:
-                        gather = self._gather_seconds(s, (chunk.moved.params, chunk.leaves), 1)
-                    elif mode is GatherMode.BLOCKS:
-                        per_block = self._block_gather_seconds(s, chunk, work.kind)
-                        gather = sum(per_block)
-                    priced = self._price(s, chunk, work, rings[s], gather)
-                    if mode is GatherMode.BLOCKS:  # (held_blocks: where the compiler holds some with the compute)
-                        merges, held = self._block_gather_parts(s, chunk, work.kind,
-                                                                bool(priced.held_parts or priced.scatter_parts))
-                    self.prices[(s, c, work.kind)] = alike[(key, work.kind)] = priced._replace(
-                        block_gathers=per_block if len(set(per_block)) > 1 else (), gather_parts=merges,
-                        held_gathers=held)
+                    self.actions[(s, c, work.kind)] = (chunk, work, alike.setdefault((key, work.kind), c))
+
+    def _priced(self, key: tuple[int, int, str]) -> ActionPrice:
+        """The :class:`ActionPrice` of action ``key`` (``self.prices`` memoizes it): that of the first chunk alike,
+        with its own sends."""
+        s, c, kind = key
+        chunk, work, first = self.actions[key]
+        if first != c:  # all but its sends are the alike chunk's
+            sends = self._sends(s, work)
+            return self.prices[(s, first, kind)]._replace(sends=sends,
+                                                          send_s=sum(x.seconds for x in sends) if sends else 0.0)
+        gather, per_block, merges, held = 0.0, (), (), ()
+        mode = gather_mode(self.facts, work)
+        if mode is GatherMode.WHOLE:
+            gather = self._gather_seconds(s, (chunk.moved.params, chunk.leaves), 1)
+        elif mode is GatherMode.BLOCKS:
+            per_block = self._block_gather_seconds(s, chunk, work.kind)
+            gather = sum(per_block)
+        priced = self._price(s, c, chunk, work, gather)
+        if mode is GatherMode.BLOCKS:  # (held_blocks: where the compiler holds some with the compute)
+            merges, held = self._block_gather_parts(s, chunk, work.kind, bool(priced.held_parts or priced.scatter_parts))
+        return priced._replace(block_gathers=per_block if len(set(per_block)) > 1 else (), gather_parts=merges,
+                               held_gathers=held)
+
+    def least(self, key: tuple[int, int, str]) -> Least:
+        """What testbed.explore.play_floor bounds action ``key`` by (:class:`Least`), priced without the
+        collectives only a play of it reads: its compute (every way of it), tensor and, with ``device.comm_slowdown``,
+        the communication beside it, each to the bit as :meth:`_priced` prices it."""
+        s, c, kind = key
+        chunk, work, first = self.actions[key]
+        out = self._leasts.get((s, first, kind))
+        if out is None:
+            out = self._leasts[(s, first, kind)] = self._least(s, first, chunk, work)
+        if first != c and self.topology.device.comm_slowdown:
+            sends = self._sends(s, work)
+            out = out._replace(send_s=sum(x.seconds for x in sends) if sends else 0.0)
+        return out
+
+    def _least(self, s: int, c: int, chunk: ChunkFacts, work: ActionWork) -> Least:
+        """:meth:`least` of the first chunk alike."""
+        core, facts = self._core(s, c, chunk, work), self.facts
+        mode = gather_mode(facts, work)
+        spans = mode is not GatherMode.NONE and not core.chain and not core.ringed
+        played = tuple(sum(v) for v in ((self._played_computes(s, c, chunk, work, chunk.blocks, False),
+                                         self._played_computes(s, c, chunk, work, core.pieces, True)
+                                         if core.release else (),
+                                         self._played_computes(s, c, chunk, work, chunk.buckets, True, True)
+                                         if core.scatters and self._scatters_each(chunk, core.chain) else ())
+                                        if spans else ()) if v)
+        gather = bucket = scatter = send_s = 0.0
+        if self.topology.device.comm_slowdown:  # what beside_compute reads
+            if mode is GatherMode.WHOLE:
+                gather = self._gather_seconds(s, (chunk.moved.params, chunk.leaves), 1)
+            elif mode is GatherMode.BLOCKS:
+                gather = sum(self._block_gather_seconds(s, chunk, work.kind))
+            bucket = self._bucket(s, chunk, core.pieces)[0] if core.release else 0.0
+            scatter = self._scatter(s, chunk) if core.scatters else 0.0
+            sends = self._sends(s, work)
+            send_s = sum(x.seconds for x in sends) if sends else 0.0
+        return Least(core.compute, core.tensor, core.hidden, core.piece, core.pieces, core.parts, core.acc, played,
+                     gather, send_s, bucket, scatter, core.ring_hidden, core.chain)
+
+    def _played_computes(self, s: int, c: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool,
+                         accumulate: bool = False) -> tuple[float, ...]:
+        """Each block's compute seconds of the action's blocks played span by span (testbed.explore.span_times.
+        played_computes; empty: not so played), its compute items' memo shared with :meth:`_plays`."""
+        return played_computes(self, s, chunk, work, pieces, reduce, accumulate,
+                               self._spans.setdefault((s, c, work.kind, pieces), {}))
 
     def _shard_sum(self, s: int) -> float:
         """Seconds of stage ``s``'s merged all-reduces of its gradient shards (StepFacts.shard_sums; 0: none), as
@@ -222,8 +320,15 @@ class StepPrices:
         return (tuple(tuple(x for x, h in block if not h) for block in merges),
                 tuple(tuple(x for x, h in block if h) for block in merges) if any(map(any, holds)) else ())
 
-    def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> ActionPrice:
-        """One action's :class:`ActionPrice` (``gather``: the seconds of a gather of its chunk's parameters)."""
+    def _core(self, s: int, c: int, chunk: ChunkFacts, work: ActionWork) -> _Core:
+        """What both an action's :class:`ActionPrice` and its :class:`Least` read (:class:`_Core`), memoized."""
+        out = self._cores.get((s, c, work.kind))
+        if out is None:
+            out = self._cores[(s, c, work.kind)] = self._core_of(s, chunk, work, self._rings[s])
+        return out
+
+    def _core_of(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int]) -> _Core:
+        """:meth:`_core`, not memoized."""
         facts, topology, dtype, plan = self.facts, self.topology, self.dtype, self.facts.plan
         cost, kind, overlap = chunk.cost, work.kind, work.overlap
         flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
@@ -244,20 +349,12 @@ class StepPrices:
         grads = gradients(facts, kind, bool(chain), 0)
         last = grads.ends
         release, pieces = grads.release, step_pieces(chunk, grads, GatherMode.NONE)
-        piece = bucket = scatter = acc = sequence_s = held = scatter_held = 0.0
-        bucket_syncs: Syncs = ()
-        each: tuple[float, ...] = ()
-        held_parts: tuple[tuple[Part, ...], ...] = ()
+        piece = acc = 0.0
         if release:  # the program reduces even a one-layer chunk's gradients
             piece = whole / pieces if ringed or chain else compute_seconds(
                 topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces), rep_b / pieces,
                 split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces), scaled_spans(work.spans, 1 / pieces))
             parts = () if ringed or chain else self._parts(chunk, work, pieces) or parts
-            bucket, bucket_syncs, sequence_s, each, held, held_parts = self._buckets(s, chunk, pieces)
-        scatter_each: tuple[float, ...] = ()
-        scatter_parts: tuple[tuple[Part, ...], ...] = ()
-        if last and facts.per_microbatch and facts.microbatches > 1:
-            scatter, scatter_each, scatter_held, scatter_parts = self._scatters(s, chunk, bool(chain))
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
         tp_s = self._tensor_seconds(s, overlap.after if overlap else work.tensor)
@@ -268,18 +365,37 @@ class StepPrices:
                         self._tensor_seconds(s, blk.rest)) for blk in (overlap.blocks if overlap else ()))
         tp_s += self._exposed_all_to_all(chain, s)
         tp_s += ring_s
+        return _Core(whole, tp_s, hidden, piece, pieces, parts, acc, ring_hidden, bool(chain), blocks, bool(ringed),
+                     release, bool(last and facts.per_microbatch and facts.microbatches > 1))
+
+    def _price(self, s: int, c: int, chunk: ChunkFacts, work: ActionWork, gather: float) -> ActionPrice:
+        """One action's :class:`ActionPrice` (``gather``: the seconds of a gather of its chunk's parameters) of the
+        first chunk alike: its :meth:`_core`, then its collectives."""
+        core = self._core(s, c, chunk, work)
+        pieces, chain = core.pieces, core.chain
+        bucket = scatter = sequence_s = held = scatter_held = 0.0
+        bucket_syncs: Syncs = ()
+        each: tuple[float, ...] = ()
+        held_parts: tuple[tuple[Part, ...], ...] = ()
+        if core.release:
+            bucket, bucket_syncs, sequence_s, each, held, held_parts = self._buckets(s, chunk, pieces)
+        scatter_each: tuple[float, ...] = ()
+        scatter_parts: tuple[tuple[Part, ...], ...] = ()
+        if core.scatters:
+            scatter, scatter_each, scatter_held, scatter_parts = self._scatters(s, chunk, chain)
         sends = self._sends(s, work)
-        gathering = gather_mode(facts, work) is not GatherMode.NONE
-        syncs = self._syncs(chunk, work, not chain and not ringed, bool(scatter), bucket_syncs, pieces)
-        spans = gathering and not chain and not ringed  # the blocks played span by span, as the task graph's
-        return ActionPrice(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks,
-                       bucket_each=tuple(r.seconds for r in each), held_each=tuple(r.held for r in each),
-                       send_s=sum(x.seconds for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
-                       scatter_each=scatter_each, ring_hidden=ring_hidden,
-                       chain=bool(chain), bucket_held=held, scatter_held=scatter_held, held_parts=held_parts,
-                       scatter_parts=scatter_parts,
-                       **(self._plays(s, chunk, work, pieces, release, bool(scatter_each)) if spans else {}))
+        gathering = gather_mode(self.facts, work) is not GatherMode.NONE
+        syncs = self._syncs(chunk, work, not chain and not core.ringed, bool(scatter), bucket_syncs, pieces)
+        spans = gathering and not chain and not core.ringed  # the blocks played span by span, as the task graph's
+        return ActionPrice(core.compute, core.tensor, gather if gathering else 0.0, core.piece, pieces, bucket,
+                           scatter, sends, core.acc, syncs, bucket_syncs, core.hidden,
+                           1 if work.chain else chunk.blocks, core.blocks,
+                           bucket_each=tuple(r.seconds for r in each), held_each=tuple(r.held for r in each),
+                           send_s=sum(x.seconds for x in sends) if sends else 0.0, parts=core.parts, early=sequence_s,
+                           scatter_each=scatter_each, ring_hidden=core.ring_hidden,
+                           chain=chain, bucket_held=held, scatter_held=scatter_held, held_parts=held_parts,
+                           scatter_parts=scatter_parts,
+                           **(self._plays(s, c, chunk, work, pieces, core.release, bool(scatter_each)) if spans else {}))
 
     def _sends(self, s: int, work: ActionWork) -> tuple[PricedSend, ...]:
         """An action's sends: split sends (StepFacts.scatter_sends) each rank's share, then the receivers' all-gather
@@ -310,72 +426,15 @@ class StepPrices:
         return (merge([*ends, *own, *([(g_ways, max(1, chunk.leaves))] if scatter else [])]),
                 merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)]))
 
-    def _buckets(self, s: int, chunk: ChunkFacts, pieces: int
-                 ) -> tuple[float, Syncs, float, tuple[Reduced, ...], float, tuple[tuple[Part, ...], ...]]:
-        """The chunk's last backward's ``pieces`` gradient buckets: (one bucket's reduction seconds, its barriers,
-        the sequence-replicated gradients' sum as the compute ends (its own stream; each microbatch's is the same
-        small sum, counted once), each bucket's own seconds where they differ: its block's merged sizes, or its own
-        count of collectives as the task graph's buckets, :class:`Reduced`; empty: all alike; one bucket's seconds
-        held with the compute, and each bucket's held collectives: empty where none)."""
-        facts, reduced = self.facts, chunk.reduced
-        early = sequence_apart(facts)
-        bucket, syncs, held, parts = self._reduce(
-            s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
-            chunk.reduction_collectives / pieces, chunk.tail if pieces == 1 else (0.0, 0.0), False if early else None)
-        sequence_s = self._reduce(s, reduced.last, chunk.special(1.0, facts.reduce_bytes),
-                                  select=True)[0] if early else 0.0
-        each: tuple[Reduced, ...] = ()
-        if chunk.bucket_sizes and pieces == len(chunk.bucket_sizes):
-            each = tuple(_summed([self._reduce(s, reduced.last * f, chunk.special(f, facts.reduce_bytes), n, op=op)
-                                  for f, n, op in chunk.bucket(pieces, k)]) for k in range(pieces))
-        elif chunk.reduction_collectives and chunk.reduction_collectives % pieces:
-            own = {n: self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)
-                   for n in {bucket_share(chunk.reduction_collectives, pieces, k) for k in range(pieces)}}
-            each = tuple(own[bucket_share(chunk.reduction_collectives, pieces, k)] for k in range(pieces))
-        held_parts = tuple(r.held_parts for r in each) if each else (parts,) * pieces
-        return bucket, syncs, sequence_s, each, held, held_parts if any(held_parts) else ()
-
-    def _plays(self, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, final: bool, scatters: bool
+    def _plays(self, s: int, c: int, chunk: ChunkFacts, work: ActionWork, pieces: int, final: bool, scatters: bool
                ) -> dict[str, tuple]:
         """An action's blocks played span by span (testbed.explore.span_times): ``plays`` (a microbatch releasing no
         gradients), ``plays_last`` (the one releasing the chunk's gradient buckets: ``final``) and ``plays_scatter``
         (an earlier one reduce-scattering into the accumulator bucket by bucket: ``scatters``)."""
-        return {"plays": priced_plays(self, s, chunk, work, chunk.blocks, False),
-                "plays_last": priced_plays(self, s, chunk, work, pieces, True) if final else (),
-                "plays_scatter": priced_plays(self, s, chunk, work, chunk.buckets, True, accumulate=True)
-                if scatters else ()}
-
-    def _scatters(self, s: int, chunk: ChunkFacts, chain: bool
-                  ) -> tuple[float, tuple[float, ...], float, tuple[tuple[Part, ...], ...]]:
-        """An earlier microbatch's reduce-scatter into the sharded accumulator: its seconds, and in a loop XLA keeps
-        (testbed.sim.step.grad_bytes.loop_kept) each bucket's as testbed.sim.graph.program reduce-scatters them, bucket by
-        bucket as the backward makes them (empty: one, after the backward); the seconds of it held with the compute
-        (all of it where the compiler runs its collective blocking: step_rules.held_stream; then the others are 0),
-        and then each bucket's held collectives (testbed.explore.held_blocks; empty: none, or one after the
-        backward)."""
-        coll, axes, n = self.coll, self.facts.per_microbatch, max(1, chunk.leaves)
-        parts: tuple[tuple[Part, ...], ...] = ()
-        if gradients(self.facts, self.facts.last_backward, chain, 1).each and chunk.buckets > 1:
-            parts = tuple(self._accumulated_parts(s, chunk, chunk.bucket(chunk.buckets, k))
-                          for k in range(chunk.buckets))
-        each = tuple(sum(x for x, _ in bucket) for bucket in parts)
-        total = n * coll.time(self.facts.accumulate_op, axes, s, chunk.reduced.each_microbatch / n)
-        if held_stream(self.facts, self.facts.accumulate_op, "grad") == "compute":
-            return 0.0, tuple(0.0 for _ in each), sum(each) if each else total, parts
-        return total, each, 0.0, ()
-
-    def _accumulated(self, s: int, chunk: ChunkFacts, buckets) -> float:
-        """Seconds of an earlier microbatch's reduce-scatters of ``buckets`` (ChunkFacts.bucket's (share,
-        collectives)) into the sharded accumulator, as testbed.sim.graph.program's tasks."""
-        return sum(x for x, _ in self._accumulated_parts(s, chunk, buckets))
-
-    def _accumulated_parts(self, s: int, chunk: ChunkFacts, buckets) -> tuple[Part, ...]:
-        """:meth:`_accumulated`'s collectives one after another: (seconds, what each moves)."""
-        time, axes = self.coll.time, self.facts.per_microbatch
-        each = chunk.reduced.each_microbatch
-        op = self.facts.accumulate_op
-        return tuple((max(1, m) * time(op, axes, s, each * f / max(1, m)), (op, axes, each * f / max(1, m)))
-                     for f, m, _ in buckets)
+        def played(n: int, reduce: bool, accumulate: bool = False) -> tuple:
+            return priced_plays(self, s, chunk, work, n, reduce, accumulate, self._spans.setdefault((s, c, work.kind, n), {}))
+        return {"plays": played(chunk.blocks, False), "plays_last": played(pieces, True) if final else (),
+                "plays_scatter": played(chunk.buckets, True, True) if scatters else ()}
 
     def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
         """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's
@@ -417,56 +476,6 @@ class StepPrices:
                                 x.split_bytes, cost.tensor_bytes, x.gemms) for x in work.chain if not x.transfer)
         return whole, ringed, work.chain
 
-    def _reduce(self, stage: int, nbytes: float, special: tuple, leaves: float = 0.0,
-                tail: tuple[float, float] = (0.0, 0.0), select: bool | None = None, op: str = "") -> Reduced:
-        """One gradient bucket's reduction (testbed.sim.graph.program's ``_reduce``, by the facts' reductions): per
-        parameter kind, a reduce-scatter over its reduction axes the optimizer state is sharded on (``leaves``
-        collectives of the bucket when the parameters are sharded, a share of them per kind; 0: one), then an
-        all-reduce over the rest (with ``tail``, ChunkFacts.tail, the token table's apart after a tensor
-        all-gather; ``select``: testbed.sim.graph.grad_tasks.reduce_tasks'). Its seconds (those the compiler runs
-        blocking held with the compute: step_rules.held_stream, but the sequence-replicated gradients' sum's, on their
-        own stream) and its collectives as barriers (testbed.sim.price.barriers), the first first; ``op``: the dense
-        reduce-scatter's op where the compiler makes it another (testbed.sim.graph.grad_tasks.reduce_tasks').
-        Memoized (a chunk's alike buckets and blocks, and other plans' of the same placement, mesh and reductions)."""
-        key = (stage, nbytes, special, leaves, tail, select, op)
-        hit = self._reduced.get(key)
-        if hit is None:
-            hit = self._reduced[key] = self._reduce_of(stage, nbytes, special, leaves, tail, select, op)
-        return hit
-
-    def _reduce_of(self, stage: int, nbytes: float, special: tuple, leaves: float, tail: tuple[float, float],
-                   select: bool | None, op: str = "") -> Reduced:
-        """:meth:`_reduce`, not memoized."""
-        mesh, syncs, facts = self.facts.plan.mesh, [], self.facts
-        times = {False: 0.0, True: 0.0}  # held with the compute or not -> seconds
-        held: list[Part] = []
-
-        def add(op: str, seconds: float, axes: tuple[Axis, ...], each: float) -> None:
-            blocking = select is not True and held_stream(facts, op, "grad") == "compute"
-            times[blocking] += seconds
-            if blocking and seconds:
-                held.append((seconds, (op, axes, each)))
-        for r in self.facts.reductions:
-            size = r.size(nbytes, special)
-            if size <= 0 or (select is not None and r.sequence != select):
-                continue
-            token = tail[0] if not (r.expert or r.sequence or r.sharded) and r.rest else 0.0
-            if r.sharded:
-                n = max(1.0, leaves * size / nbytes) if leaves else 1.0
-                scatter = op if op and not (r.expert or r.sequence) else r.scatter_op
-                add(scatter, n * self.coll.time(scatter, r.sharded, stage, size / n), r.sharded, size / n)
-                syncs.append((r.ways, n))
-            if r.rest and not r.rest_merged:  # a merged one after the stage's last bucket (StepPrices.shard_sum_s)
-                n_ar = allreduce_count(self.facts.reductions, leaves, size, nbytes, special[0], r.expert)
-                each = (size - token) / r.ways / n_ar
-                add("all_reduce", n_ar * self.coll.time("all_reduce", r.rest, stage, each), r.rest, each)
-                syncs.append((math.prod(mesh.degree(a) for a in r.rest), n_ar))
-            if token:  # the embedding's merged gather over tensor, then the token table's sum
-                add("all_gather", self.coll.time("all_gather", (Axis.TENSOR,), stage, tail[1]), (Axis.TENSOR,), tail[1])
-                add("all_reduce", self.coll.time("all_reduce", r.rest, stage, token / r.ways), r.rest, token / r.ways)
-                syncs += [(mesh.tensor, 1), (math.prod(mesh.degree(a) for a in r.rest), 1)]
-        return Reduced(times[False], tuple(syncs), times[True], tuple(held))
-
     def _exposed_all_to_all(self, chain: tuple[Piece, ...], stage: int) -> float:
         """Seconds an action's MoE all-to-alls block it (testbed.sim.step.moe's chain): each all-to-all less the shared
         experts' compute the chain runs beside it (the piece that follows it, when it is one)."""
@@ -479,9 +488,3 @@ class StepPrices:
                                           gemms=beside.gemms) if beside else 0.0
                 total += max(0.0, a2a - overlap)
         return total
-
-
-def _summed(reduced: list[Reduced]) -> Reduced:
-    """Reductions one after another, as one (their barriers' count is not read)."""
-    return Reduced(sum(r.seconds for r in reduced), (), sum(r.held for r in reduced),
-                   tuple(p for r in reduced for p in r.held_parts))

@@ -22,7 +22,7 @@ from testbed.sim.step.step_rules import held_stream
 if TYPE_CHECKING:
     from testbed.explore.prices import StepPrices
 
-__all__ = ["PricedBlock", "priced_plays", "play_blocks"]
+__all__ = ["PricedBlock", "priced_plays", "played_computes", "play_blocks"]
 
 
 class PricedBlock(NamedTuple):
@@ -40,39 +40,28 @@ class PricedBlock(NamedTuple):
 
 
 def priced_plays(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool,
-                 accumulate: bool = False) -> tuple[PricedBlock, ...]:
+                 accumulate: bool = False, spans: dict | None = None) -> tuple[PricedBlock, ...]:
     """Each block of an action's play (testbed.sim.graph.span_play.action_plays; empty: not played by spans), priced:
     a compute item as testbed.sim.graph.span_play's ``_span`` prices its task (a roofline of its matmuls and its bytes,
     its FLOPs' share of its block's kernels, its share of the block's replicated and split bytes), a tensor item
     its collectives one after another, a bucket item its reductions (``reduce``: the action releases them;
-    ``accumulate``: as an earlier microbatch's reduce-scatters into the sharded accumulator)."""
+    ``accumulate``: as an earlier microbatch's reduce-scatters into the sharded accumulator). ``spans``: the memo
+    of the compute items' seconds (:func:`played_computes`'), one per action and ``pieces``."""
     facts = step.facts
     plays = action_plays(chunk, work, pieces, facts.gathers("B"), facts.plan.sequence_parallel, reduce)
     if not plays:
         return ()
-    own = chunk.block_shares(work.kind, pieces)
-    flops, _, replicated, split = work.work
-    kernels, tensor_bytes = chunk.kernels // pieces, chunk.cost.tensor_bytes
     sizes = chunk.gather_sizes(work.kind) if facts.params_ways > 1 else ()
     ops = chunk.gather_ops(work.kind) if sizes else ()
     time, axes = step.coll.time, facts.params_axes
     out = []
-    spans: dict[tuple, float] = {}  # a compute item's seconds by what it is priced from (the layers' are alike)
+    priced = _span_prices(step, chunk, work, pieces, {} if spans is None else spans)
     for k, play in enumerate(plays):
-        part = own[k][0]
         seconds, buckets = [], []
         for item in play.items:
             nbytes = 0.0
             if item.stream == "compute":
-                j, share = item.gemms
-                key = (id(own[j][1]), share, part, item.flops, item.nbytes, item.passes)
-                x = spans.get(key)
-                if x is None:
-                    n = span_kernels(kernels, item.flops, flops * part)
-                    x = spans[key] = compute_seconds(step.topology, step.dtype, item.flops, item.nbytes, n,
-                                                     replicated * part * item.passes, split * part * item.passes,
-                                                     tensor_bytes, scaled(own[j][1], share), ((1.0, item.nbytes),))
-                seconds.append(x)
+                seconds.append(priced(k, item))
             elif item.stream == "tensor":
                 seconds.append(step._tensor_seconds(s, item.transfers))
             else:
@@ -93,6 +82,40 @@ def priced_plays(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, 
         held = tuple(held_stream(facts, op, "gather") == "compute" for op in ops[k]) if k < len(sizes) else ()
         out.append(PricedBlock(play, tuple(seconds), tuple(buckets), compute, merges, held))
     return tuple(out)
+
+
+def played_computes(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool,
+                    accumulate: bool = False, spans: dict | None = None) -> tuple[float, ...]:
+    """Each block's compute seconds of :func:`priced_plays`' play (its PricedBlock.compute, to the bit) without
+    pricing its collectives (empty: not played by spans); ``spans``: as :func:`priced_plays`'."""
+    facts = step.facts
+    plays = action_plays(chunk, work, pieces, facts.gathers("B"), facts.plan.sequence_parallel, reduce)
+    if not plays:
+        return ()
+    priced = _span_prices(step, chunk, work, pieces, {} if spans is None else spans)
+    return tuple(sum(priced(k, item) for item in play.items if item.stream == "compute")
+                 for k, play in enumerate(plays))
+
+
+def _span_prices(step: StepPrices, chunk: ChunkFacts, work: ActionWork, pieces: int, spans: dict):
+    """A compute item's seconds (block ``k``'s ``item``), as testbed.sim.graph.span_play's ``_span`` prices its task,
+    memoized in ``spans`` by what it is priced from (the layers' are alike)."""
+    own = chunk.block_shares(work.kind, pieces)
+    flops, _, replicated, split = work.work
+    kernels, tensor_bytes = chunk.kernels // pieces, chunk.cost.tensor_bytes
+
+    def priced(k: int, item) -> float:
+        part = own[k][0]
+        j, share = item.gemms
+        key = (id(own[j][1]), share, part, item.flops, item.nbytes, item.passes)
+        x = spans.get(key)
+        if x is None:
+            n = span_kernels(kernels, item.flops, flops * part)
+            x = spans[key] = compute_seconds(step.topology, step.dtype, item.flops, item.nbytes, n,
+                                             replicated * part * item.passes, split * part * item.passes,
+                                             tensor_bytes, scaled(own[j][1], share), ((1.0, item.nbytes),))
+        return x
+    return priced
 
 
 class Played(NamedTuple):
