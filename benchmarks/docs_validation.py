@@ -154,7 +154,7 @@ all-reduces to the SparseCores states `runtime.async_all_reduce`, naming the fla
 run beside the backward: 43 of the 55 TPU cases. Every TPU case holds its reduce-scatters and all-to-alls with the
 compute, and on v5p its all-gathers too, as no such op of the recorded compiles runs asynchronously
 (`DeviceSpec.blocking_collectives`). With these rules the TPU fit (v5p 0.805, v6e 0.58, v5e 0.77, v4 0.695) reads
-4.1% median in sample and 4.5% left out (40.2% and 42.1% at the worst), the suite's held-out-by-stack median 8.7%
+4.3% median in sample and 4.5% left out (39.9% and 41.8% at the worst), the suite's held-out-by-stack median 8.5%
 and by-source 8.4%. The largest error stays AXLearn's v5e step (+40% in sample), whose layers on one chip take 1.28
 s of its published 2.21 s (the per-chip share below): the rest is not compute.
 
