@@ -414,16 +414,15 @@ class Play:
             self.grad[s] = start + self.step.tied_s
 
     def _kept(self, s: int) -> None:
-        """Stage ``s``'s kept reductions, the replicas' one sum after the backward (once: they are then done), then
-        its merged shard all-reduces (StepPrices.shard_sum_s: once its last bucket and backward are done)."""
+        """Stage ``s``'s kept reductions, the replicas' one sum after the backward, then its merged shard all-reduces
+        (StepPrices.shard_sum_s), each once: they are then done."""
         if self.once[s]:  # the replicas meet first (a shared host's stragglers)
             skewed = self.step.skewed
             self.grad[s] = max(self.grad[s], self.free[s], self.launch) + self.once[s] + (
                 skewed.barrier_wait(self.once_group[s], self.carry[s]) if skewed else 0.0)
             self.carry[s], self.once[s] = 0.0, 0.0
-        if self.sums[s]:  # the merged shard all-reduces once every bucket is done (StepFacts.shard_sums)
-            self.grad[s] = max(self.grad[s], self.free[s], self.launch) + self.sums[s]
-            self.sums[s] = 0.0
+        if self.sums[s]:  # once every bucket is done (StepFacts.shard_sums)
+            self.grad[s], self.sums[s] = max(self.grad[s], self.free[s], self.launch) + self.sums[s], 0.0
 
     def update(self, s: int) -> float:
         """Plays stage ``s``'s gradient tail, optimizer and (ZeRO-1/2) re-gather; returns when the stage is done."""
