@@ -256,13 +256,10 @@ class StepPrices(ReductionPrices):
                                self._spans.setdefault((s, c, work.kind, pieces), {}))
 
     def _shard_sum(self, s: int) -> float:
-        """Seconds of stage ``s``'s merged all-reduces of its gradient shards (StepFacts.shard_sums; 0: none), as
+        """Seconds of stage ``s``'s merged all-reduces of its gradient shards (StepFacts.shard_sum; 0: none), as
         testbed.sim.graph.grad_tasks.shard_sum_task issues them after the stage's last bucket."""
-        merged = next((r for r in self.facts.reductions if r.rest_merged), None)
-        if merged is None or not self.facts.shard_sums:
-            return 0.0
-        nbytes, n = self.facts.shard_sums[s]
-        return n * self.coll.time("all_reduce", merged.rest, s, nbytes / n) if n else 0.0
+        sums = self.facts.shard_sum(s)
+        return 0.0 if sums is None else sums.count * self.coll.time("all_reduce", sums.axes, s, sums.each_bytes)
 
     def played(self, s: int, c: int, kind: str, grads: Gradients) -> ActionPrice:
         """The price of chunk ``c``'s ``kind`` action on stage ``s`` as played with ``grads`` (testbed.sim.step.step_rules'

@@ -100,12 +100,11 @@ class GradPlay:
     def reduce_kept(self, s: int) -> None:
         """The replicas' one reduction of the buckets kept for stage ``s``'s update, after its last action (the loss's
         sum merged into the first: testbed.plan.sharding.loss_merged), then the stage's merged all-reduces of its
-        gradient shards (StepFacts.shard_sums: testbed.sim.graph.grad_tasks.shard_sum_task). Called once per stage."""
+        gradient shards (StepFacts.shard_sum: testbed.sim.graph.grad_tasks.shard_sum_task). Called once per stage."""
         for k, bucket_of in enumerate(self.once[s]):
             loss = LOSS_BYTES if k == 0 and self.facts.loss_merged else 0.0
             self.reduce_tasks[s].extend(self._reduce(s, self.previous[s], *bucket_of, loss=loss))
-        if self.facts.shard_sums:  # the merged shard all-reduces, after every bucket
-            task = shard_sum_task(self.b, self.facts.reductions, self.groups, self.plan, s, self.reps[s],
-                                  tuple(self.reduce_tasks[s]), self.facts.shard_sums[s])
-            if task is not None:
-                self.reduce_tasks[s].append(task)
+        sums = self.facts.shard_sum(s)
+        if sums is not None:  # the merged shard all-reduces, after every bucket
+            self.reduce_tasks[s].append(shard_sum_task(self.b, self.groups, self.plan, s, self.reps[s],
+                                                       tuple(self.reduce_tasks[s]), sums))

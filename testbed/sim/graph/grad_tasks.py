@@ -112,18 +112,13 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
     return out
 
 
-def shard_sum_task(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int, rep: int, after: tuple[int, ...],
-                   sums: tuple[float, int]) -> int | None:
-    """The stage's merged all-reduces of its gradient shards over the replicated axes (StepFacts.shard_sums ``sums``:
-    bytes per device, how many; testbed.sim.xla.xla_tpu.merges_shard_sums), once every task of ``after`` (the
-    stage's reductions: its last reduce-scatter among them) is done; None where there are none."""
-    merged = next((r for r in reductions if r.rest_merged), None)
-    nbytes, n = sums
-    if merged is None or not n:
-        return None
-    g = axis_groups_cached(groups, plan, list(merged.rest), s)
+def shard_sum_task(b: Builder, groups: dict, plan: Plan, s: int, rep: int, after: tuple[int, ...], sums) -> int:
+    """The stage's merged all-reduces of its gradient shards (``sums``: testbed.sim.step.facts.StepFacts.shard_sum;
+    testbed.sim.xla.xla_tpu.merges_shard_sums), once every task of ``after`` (the stage's reductions: its last
+    reduce-scatter among them) is done."""
+    g = axis_groups_cached(groups, plan, list(sums.axes), s)
     return b.add(name="all_reduce shards (merged)", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
-                 deps=tuple(sorted(set(after))), op="all_reduce", nbytes=nbytes / n, count=n,
+                 deps=tuple(sorted(set(after))), op="all_reduce", nbytes=sums.each_bytes, count=sums.count,
                  group=rep_group(g, rep), instances=g)
 
 

@@ -45,11 +45,19 @@ from testbed.sim.xla.xla_tpu import (VECTOR_LANES, accumulate_op, gather_allredu
 if TYPE_CHECKING:
     from testbed.topology import Topology
 
-__all__ = ["cached_chunk_cost", "cached_chunk_gemms", "StageUpdate", "Reduction", "StepFacts", "step_facts", "alike_key",
+__all__ = ["cached_chunk_cost", "cached_chunk_gemms", "StageUpdate", "Reduction", "StepFacts", "ShardSum", "step_facts", "alike_key",
            "facts_key", "FactsKey", "recall", "keep",
            "topology_rules",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
            "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes"]
+
+
+class ShardSum(NamedTuple):
+    """A stage's merged all-reduces of its gradient shards (StepFacts.shard_sum): the axes, bytes each, how many."""
+
+    axes: tuple
+    each_bytes: float
+    count: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,6 +145,16 @@ class StepFacts:
         accumulate sharded, and replicated ones too with ``runtime.grad_reduce_overlap`` (else the replicas
         sum once, after the stage's backward)."""
         return bool(self.per_microbatch) or self.plan.runtime.grad_reduce_overlap
+
+    def shard_sum(self, stage: int) -> "ShardSum | None":
+        """Stage ``stage``'s merged all-reduces of its gradient shards (:attr:`shard_sums`, the reduction marked
+        ``rest_merged``): over which axes, of how many bytes each, how many; None where there are none. Both tiers
+        read it (testbed.sim.graph.grad_tasks.shard_sum_task, testbed.explore.prices' ``shard_sum_s``)."""
+        merged = next((r for r in self.reductions if r.rest_merged), None)
+        if merged is None or not self.shard_sums or not self.shard_sums[stage][1]:
+            return None
+        nbytes, n = self.shard_sums[stage]
+        return ShardSum(merged.rest, nbytes / n, n)
 
     def gathers(self, kind: str) -> bool:
         """Whether a ``kind`` action all-gathers its chunk's sharded parameters (block by block)."""
