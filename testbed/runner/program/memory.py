@@ -145,7 +145,10 @@ def _readers(block: Block, functions: dict, fusing: bool = False, rounded: bool 
     copies = BF16Copies(nodes, _reads(alias, functions), block.args, sunk, last) if rounded else None
     barriers = 0
 
-    def read(v, i: int) -> None:
+    def read(v, i: int) -> None:  # the same value read twice for one node and phase: the same effects
+        if v in seen:
+            return
+        seen.add(v)
         last[v] = i  # in HBM anyway (an operand of a matmul, say): read from there
         when, node = made.get(v, (barriers, None))
         if sinking and node is not None and node.kind == "memory" and not any(node.roots):
@@ -164,15 +167,15 @@ def _readers(block: Block, functions: dict, fusing: bool = False, rounded: bool 
         for o in node.operands:  # else recomputed here when it is cheap: its operands are read here
             read(_root(alias, o), i)
 
-    sinking = False
+    sinking, seen = False, set()
     for i, node in enumerate(nodes):
         sink = node.kind in _SINKS or node.name == "stablehlo.custom_call"
         reads = [_root(alias, v) for v in node.operands]
         inner = [_root(alias, v) for b in node.blocks for v in _uses(b, functions)]
-        sinking = fusing and node.kind == "gemm"
+        sinking, seen = fusing and node.kind == "gemm", set()
         for v in reads:
             read(v, i)
-        sinking = False
+        sinking, seen = False, set()
         for v in inner:
             read(v, i)
         if sink:
@@ -284,7 +287,7 @@ def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None =
             inner -= sum(w for r, w in written if r in slots.outputs) if node.blocks else 0.0
             kept = slots.produce(written, kept)
         new = sum(w for r, w in written if r in kept)
-        peak = max(peak, _while_written(node, live, size, slots, inner, [w for r, w in written if r in kept]))
+        peak = _while_written(node, live, size, slots, inner, [w for r, w in written if r in kept], peak)
         live += new
         for r, w in written:
             if r in kept:
@@ -292,7 +295,7 @@ def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None =
         for v in dying.get(i, []) + [r for r in kept if r not in last]:
             if v in size and v not in yields:  # freed after its last reader (at once if nothing reads it)
                 live -= size.pop(v)
-        peak = max(peak, live if slots is None else slots.heap(size, []))
+        peak = max(peak, live) if slots is None else slots.heap(size, [], floor=peak)
     if slots is not None:
         peak += slots.total
     memo[key] = peak
@@ -345,14 +348,14 @@ def peak_bytes(compiled: Compiled, upcast: bool = False, fusing: bool = False, r
                                                         fusing=fusing, rounded=rounded)
 
 
-def _while_written(node, live: float, size: dict, slots, inner: float, new: list) -> float:
-    """What is live while ``node`` writes ``new`` (its bytes per result) above ``live`` (``size``'s values); a
-    loop's, call's or shard_map body's results are its block's yields, live at its end: in its own peak
-    ``inner``. With ``slots``, the heap of temporaries alone (:class:`_OutputSlots`)."""
+def _while_written(node, live: float, size: dict, slots, inner: float, new: list, peak: float) -> float:
+    """The larger of ``peak`` and what is live while ``node`` writes ``new`` (its bytes per result) above ``live``
+    (``size``'s values); a loop's, call's or shard_map body's results are its block's yields, live at its end: in
+    its own peak ``inner``. With ``slots``, the heap of temporaries alone (:class:`_OutputSlots`)."""
     nested = bool(node.blocks) or node.kind == "call"
     if slots is None:
-        return live + (max(inner, sum(new)) if nested else sum(new))
-    return slots.heap(size, [], max(inner, sum(new))) if nested else slots.heap(size, new)
+        return max(peak, live + (max(inner, sum(new)) if nested else sum(new)))
+    return slots.heap(size, [], max(inner, sum(new)), peak) if nested else slots.heap(size, new, floor=peak)
 
 
 class _OutputSlots:
@@ -367,21 +370,31 @@ class _OutputSlots:
         self.pending = {r: w for node in nodes for r, w in zip(node.results, node.writes) if r in yields}
         self.outputs = set(self.pending)
         self.total = float(sum(self.pending.values()))
+        self._free: tuple[list, float] | None = None  # the free allocations, largest first, and their sum
 
     def produce(self, written: list, kept: list) -> list:
         """The kept results that are temporaries (each output written is taken off the free allocations)."""
         for r, _ in written:
-            self.pending.pop(r, None)
+            if self.pending.pop(r, None) is not None:
+                self._free = None
         return [r for r in kept if r not in self.outputs]
 
-    def heap(self, size: dict, extra: list, lump: float = 0.0) -> float:
-        """The heap's bytes when ``size``'s values and ``extra`` are live: each, largest first, in the largest free
-        output allocation it fits, else in the heap."""
-        free = sorted(self.pending.values(), reverse=True)
-        heap, j = 0.0, 0
-        for nbytes in sorted([*size.values(), *extra], reverse=True):
-            if j < len(free) and nbytes <= free[j]:
-                j += 1
-            else:
-                heap += nbytes
-        return heap + max(0.0, lump - sum(free))
+    def heap(self, size: dict, extra: list, lump: float = 0.0, floor: float = 0.0) -> float:
+        """The larger of ``floor`` and the heap's bytes when ``size``'s values and ``extra`` are live: each, largest
+        first, in the largest free output allocation it fits, else in the heap. The heap is at most all of them
+        (then not placed: the step's peak so far as ``floor`` skips most of its nodes)."""
+        if self._free is None:
+            free = sorted(self.pending.values(), reverse=True)
+            self._free = free, sum(free)
+        free, spare = self._free
+        live = [*size.values(), *extra]
+        whole = sum(live) + max(0.0, lump - spare)
+        if whole <= floor:
+            return floor
+        placed, j = 0.0, 0
+        for nbytes in sorted([v for v in live if free and v <= free[0]], reverse=True):
+            if j == len(free):
+                break
+            if nbytes <= free[j]:
+                placed, j = placed + nbytes, j + 1
+        return max(floor, whole - placed)
