@@ -125,12 +125,11 @@ def _readers(block: Block, functions: dict, fusing: bool = False, rounded: bool 
     """(value -> index of its last reader, values an HBM reader reads, values read across a barrier, values whose
     bf16 copy a matmul reads), each value taken through passthroughs to the one it reads.
 
-    A barrier is a matmul, collective, loop, call or custom call: no fusion reaches across one (the fusion
-    estimate's multi-output rule: testbed.runner.program.evaluate). An elementwise result read after one is read
-    from HBM where it is there anyway (a matmul's operand), else recomputed in its reader's kernel when it is
-    cheap (XLA's fusion duplicates a cheap producer into each consumer: its operands are then read there, and so
-    on back to values in HBM) and kept in HBM until then when it is expensive (a transcendental or a division:
-    a forward's GELU ``tanh`` read by its backward).
+    A barrier is a matmul, collective, loop, call or custom call: no fusion reaches across one (testbed.runner.
+    program.evaluate's multi-output rule). An elementwise result read after one is read from HBM where it is there
+    anyway (a matmul's operand), else recomputed in its reader's kernel when cheap (XLA's fusion duplicates a cheap
+    producer into each consumer, its operands read there) and kept in HBM until then when expensive (a forward's
+    GELU ``tanh`` read by its backward).
 
     ``fusing`` (XLA:TPU, :func:`peak_bytes`): a matmul's result is made like an expensive elementwise result (its
     elementwise consumers and reductions run in the matmul's kernel; kept when a barrier or a later span reads it),
@@ -138,10 +137,8 @@ def _readers(block: Block, functions: dict, fusing: bool = False, rounded: bool 
     operands are read there, each kept in HBM, not the result) and a comparison is kept (:data:`KEPT_MASKS`);
     ``rounded``: a matmul reads an elementwise result's bf16 copy where testbed.runner.program.rounding says."""
     nodes, alias = _flatten(block, functions if fusing else None)
-    last: dict = {}
-    made: dict = {}    # elementwise result -> (barriers before it, its node)
+    last, made, far = {}, {}, set()  # made: elementwise result -> (barriers before it, its node)
     sunk = {_root(alias, v) for v in block.yields}
-    far: set = set()
     copies = BF16Copies(nodes, _reads(alias, functions), block.args, sunk, last) if rounded else None
     barriers = 0
 
