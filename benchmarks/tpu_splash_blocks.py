@@ -8,12 +8,16 @@ numerics, but affect performance greatly". Each configuration of :data:`CONFIGS`
 runner's own call, testbed.runner.tpu_attention.splash_attention, at those blocks), run ``CALLS`` times back to back
 (dispatch overlaps the kernels) in five rounds; the least round's mean is one call's seconds.
 
+``--layouts`` times instead the runner's own blocks for each shape (``SplashBlocks.for_seq``) with each of
+:data:`SEQ_MINOR` read with positions minor (``QKVLayout.SEQ_MINOR``: the forward's ``q k^T`` then contracts k's
+leading dimension, with no transpose in the kernel), into ``OUT/splash_layouts.json``.
+
 Writes ``OUT/splash_blocks.json`` atomically (date, versions, device kind, the command; per shape and configuration
 the forward and forward + backward seconds and the attention FLOPs the kernels compute) and prints a summary as ONE
 JSON object (the fastest configuration per shape). ``--quick`` on a CPU host checks the script's plumbing with the
 kernels in interpret mode on one small shape.
 
-    python benchmarks/tpu_splash_blocks.py --out OUT [--quick]
+    python benchmarks/tpu_splash_blocks.py --out OUT [--quick] [--layouts]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,6 +45,8 @@ SHAPES = {
     "gpt125m-seq4096": (2, 12, 12, 4096, 64),
 }
 CALLS, ROUNDS = 8, 5
+#: Which of q, k, v ``--layouts`` reads with positions minor, beside none.
+SEQ_MINOR = ("", "k", "v", "kv", "q", "qkv")
 
 
 CONFIGS = {blocks.name: blocks for blocks in (
@@ -109,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for splash_blocks.json")
     parser.add_argument("--quick", action="store_true", help="one small shape in interpret mode (a host check)")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop starting configurations after this")
+    parser.add_argument("--layouts", action="store_true", help="the runner's blocks with q/k/v layouts varied")
     args = parser.parse_args(argv)
     shapes = {"quick": (1, 2, 1, 256, 128)} if args.quick else SHAPES
     configs = {b.name: b for b in (SplashBlocks(128, 128, 128, False), SplashBlocks(128, 128, 128, True))} \
@@ -116,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     start, rows = time.perf_counter(), {}
     for name, shape in shapes.items():
         seq = shape[3]
+        if args.layouts:
+            base = SplashBlocks(128, 128, 128, True) if args.quick else SplashBlocks.for_seq(seq, shape[4])
+            configs = {b.name: b for b in (replace(base, seq_minor=m) for m in SEQ_MINOR)}
         rows[name] = {"shape": dict(zip(("batch", "heads", "kv_heads", "seq", "head_dim"), shape)),
                       "flops": causal_flops(shape), "configs": {}}
         for config, blocks in configs.items():
@@ -124,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             rows[name]["configs"][config] = measure(shape, blocks, args.quick)
             print(name, config, rows[name]["configs"][config], file=sys.stderr, flush=True)
             record = _record(rows, start)
-            write_atomic(Path(args.out) / "splash_blocks.json", json.dumps(record, indent=1) + "\n")
+            write_atomic(Path(args.out) / ("splash_layouts.json" if args.layouts else "splash_blocks.json"),
+                         json.dumps(record, indent=1) + "\n")
     best = {name: min((c for c in row["configs"].items() if "error" not in c[1]),
                       key=lambda c: c[1]["forward_backward_s"], default=(None, None))[0]
             for name, row in rows.items()}

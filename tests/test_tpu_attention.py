@@ -52,6 +52,17 @@ def test_splash_blocks_shrink_past_head_dim_128_as_the_chip_failed_to_compile_th
     assert splash_block(200, 256) is None
 
 
+def test_splash_layouts_name_some_of_q_k_v_once() -> None:
+    blocks = SplashBlocks(1024, 1024, 1024, True, seq_minor="kv")
+    assert blocks.name == "q1024-kv1024-fused-kvseq"
+    assert {k: v for k, v in blocks.block_sizes().items() if "layout" in k} == {"k_layout": "seq-minor",
+                                                                             "v_layout": "seq-minor"}
+    assert "layout" not in " ".join(SplashBlocks.for_seq(2048).block_sizes())
+    for bad in ("kk", "x", "qkvq"):
+        with pytest.raises(ValueError, match="seq_minor"):
+            SplashBlocks(512, 512, 512, True, seq_minor=bad)
+
+
 def test_the_cached_splash_kernel_holds_no_tracer() -> None:
     """Asked for first inside a trace (as a checkpointed block does), the cached kernel's mask arrays are still
     concrete: a tracer kept there leaks into later traces, where JAX passes it as an extra step input that an

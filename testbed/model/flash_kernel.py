@@ -49,16 +49,21 @@ class AttentionKernel(StrEnum):
 @dataclass(frozen=True, slots=True)
 class SplashBlocks:
     """The splash kernels' blocks: queries ``q``, keys and values ``kv`` (``compute`` of them at a time), the same in
-    the backward, and whether the backward is the one fused dQ/dK/dV kernel (``BlockSizes`` of JAX's kernels)."""
+    the backward, whether the backward is the one fused dQ/dK/dV kernel, and which of q, k, v the kernels read with
+    positions minor (``seq_minor``, e.g. ``"k"``: ``QKVLayout.SEQ_MINOR``, transposed by XLA before the kernel;
+    the others head-dim minor): ``BlockSizes`` of JAX's kernels."""
 
     q: int
     kv: int
     compute: int
     fused: bool
+    seq_minor: str = ""
 
     def __post_init__(self) -> None:
         if min(self.q, self.kv, self.compute) < LANES or self.kv % self.compute:
             raise ValueError(f"splash blocks need sides of {LANES}+ and compute dividing kv, got {self}")
+        if not set(self.seq_minor) <= set("qkv") or len(set(self.seq_minor)) != len(self.seq_minor):
+            raise ValueError(f"splash seq_minor names some of q, k, v once each, got {self.seq_minor!r}")
 
     @classmethod
     def for_seq(cls, seq: int, head_dim: int = LANES) -> "SplashBlocks | None":
@@ -71,12 +76,15 @@ class SplashBlocks:
     def name(self) -> str:
         """``q1024-kv1024-fused``: how benchmarks/tpu_chip/splash_blocks.json names a configuration."""
         compute = "" if self.compute == self.kv else f"-c{self.compute}"
-        return f"q{self.q}-kv{self.kv}{compute}" + ("-fused" if self.fused else "")
+        minor = f"-{self.seq_minor}seq" if self.seq_minor else ""
+        return f"q{self.q}-kv{self.kv}{compute}" + ("-fused" if self.fused else "") + minor
 
-    def block_sizes(self) -> dict[str, int | bool]:
-        """Keyword arguments of ``splash_attention_kernel.BlockSizes``: no dQ blocks under the fused backward."""
+    def block_sizes(self) -> dict[str, int | bool | str]:
+        """Keyword arguments of ``splash_attention_kernel.BlockSizes``: no dQ blocks under the fused backward; a
+        layout named ``"seq-minor"`` for each of :attr:`seq_minor` (the runner maps it to ``QKVLayout``)."""
         out = {"block_q": self.q, "block_kv": self.kv, "block_kv_compute": self.compute, "block_q_dkv": self.q,
                "block_kv_dkv": self.kv, "block_kv_dkv_compute": self.compute, "use_fused_bwd_kernel": self.fused}
+        out |= {f"{x}_layout": "seq-minor" for x in self.seq_minor}
         return out if self.fused else out | {"block_q_dq": self.q, "block_kv_dq": self.kv}
 
 

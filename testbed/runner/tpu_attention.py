@@ -37,7 +37,8 @@ def _kernel(heads: int, seq: int, window: int | None, blocks: SplashBlocks, inte
 
     shape = (seq, seq)
     one = splash.CausalMask(shape) if window is None else splash.LocalMask(shape, (window - 1, 0), 0)
-    sizes = splash.BlockSizes(**blocks.block_sizes())
+    sizes = splash.BlockSizes(**{k: splash.QKVLayout.SEQ_MINOR if v == "seq-minor" else v
+                                 for k, v in blocks.block_sizes().items()})
     with jax.ensure_compile_time_eval():
         return splash.make_splash_mha_single_device(splash.MultiHeadMask([one] * heads), block_sizes=sizes,
                                                     interpret=interpret, residual_checkpoint_name=FLASH_RESIDUALS)
