@@ -61,23 +61,33 @@ def _module(name: str):
 
 
 def prepared(name: str, devices, topology, mesh: dict | None = None) -> dict:
-    """The program called once on the devices' mesh (``mesh``, default its own), traced and priced, and its
-    compiled step's timer."""
+    """The program called once on the devices' mesh (``mesh``, default its own), traced, and its compiled step's
+    timer (:func:`predicted` prices it once compiled)."""
     from testbed.cli.program import local_mesh
     from testbed.runner.step_timer import StepTimer
     from testbed.runner.program import trace
     from testbed.runner.program.measure import ProgramTrainer
-    from testbed.sim.graph.traced import simulate_workload
 
     mesh = mesh or PROGRAMS[name]
     concrete = local_mesh(mesh, devices)
     step, args = _module(name).predict(concrete)
     workload = trace(step, *args, mesh=concrete, name=name)
-    report = simulate_workload(workload, topology).report
     trainer = ProgramTrainer(step, args, concrete)
     return {"mesh": mesh, "concrete": concrete, "workload": workload, "topology": topology,
-            "predicted_s": report.step_time_s,
             "trainer": trainer, "timer": StepTimer(trainer), "medians": [], "speeds": []}
+
+
+def predicted(case: dict) -> float:
+    """The step time ``testbed run --program`` predicts: the traced workload with the transposing kernels of its
+    compiled step (testbed.runner.hlo_transposes; read once the timer has compiled it), on the topology."""
+    from testbed.runner.hlo_transposes import with_transposes
+    from testbed.sim.graph.traced import simulate_workload
+
+    if case["trainer"].compiled is None:
+        case["timer"].round(1)
+    workload = with_transposes(case["workload"], case["trainer"].hlo_text())
+    case["workload"] = workload
+    return simulate_workload(workload, case["topology"]).report.step_time_s
 
 
 def _row(case: dict) -> dict:
@@ -86,6 +96,7 @@ def _row(case: dict) -> dict:
     from testbed.runner.program.measure import compiled_collectives
     from testbed.sim.graph.traced import device_collectives, device_memory
 
+    case["predicted_s"] = predicted(case)
     workload, trainer = case["workload"], case["trainer"]
     measured = min(case["medians"])
     at_calibrated = statistics.median(m * v for m, v in zip(case["medians"], case["speeds"]))
@@ -101,6 +112,9 @@ def _row(case: dict) -> dict:
             "memory_error": relative_error(estimate, float(xla.total)), "xla_memory": xla.to_dict(),
             "collectives": rows, "bytes_per_axis_equal": all(r["equal"] for r in rows),
             "flops_per_device": workload.flops(), "compile_s": case["timer"].compile_s,
+            "transposes": None if workload.transposes is None else {
+                "moved_bytes": workload.transposes.moved_bytes, "kernels": workload.transposes.kernels,
+                "fused_bytes": workload.transposes.fused_bytes},
             "round_medians_s": case["medians"], "host_speeds": case["speeds"],
             "assumptions": list(workload.assumptions)}
 
