@@ -4,8 +4,9 @@ Pure text processing of a compiled module's optimized HLO (``compiled.as_text()`
 assignment writes some values with their minor dimension moved (a weight gradient's operand, a token-mixing
 activation, a scan's gradient stored into its stacked buffer): a ``copy`` whose layout differs from its operand's,
 or a loop fusion whose result is written in an order an operand of the same elements is not in. Such a kernel reads
-that operand with a stride, where a plain elementwise loop streams it. The traced tier prices a transpose as free
-(XLA folds it into its consumer); testbed.sim.graph.traced prices what this module finds as transposing passes.
+that operand with a stride, where a plain elementwise loop streams it. The fusion estimate prices a transpose as free
+(XLA folds it into its consumer); testbed.sim.graph.traced_graph prices what this module finds as transposing passes
+(docs/program.md, "How it is priced").
 
 A kernel is a top-level instruction (of the entry, a loop body, a conditional's branch): a ``copy``, a
 ``transpose``, or a ``kind=kLoop`` fusion (not a matmul's: YNNPACK's ``__ynn_fusion``, a dot or convolution). It is
@@ -15,7 +16,8 @@ a dynamic-update-slice's update), the operand's offset, between the result's fir
 written minor dimension, moves by more than one element. Copies inside a fusion that undo each other move nothing
 (XLA:CPU's loop emitter computes each written element from its operands' indices: only the operands' and the
 result's layouts are in memory). A kernel in a ``while`` body counts its known trip count times (nested loops
-multiply). Its bytes are those it writes (a dynamic-update-slice's update, in place), and as many read.
+multiply). Its bytes are those it writes (a dynamic-update-slice's update, in place), and as many elements of the
+strided operand read.
 """
 
 from __future__ import annotations
@@ -280,16 +282,16 @@ def _kernel_tile(instr: _Instr, by: dict[str, _Instr], comps: dict) -> tuple[flo
     result = next((i for i in fused if i.root), None)
     if result is None:
         return None
-    written = (by_name(fused, writes[0].operands[1]) if writes else None) or result
+    written = (_by_name(fused, writes[0].operands[1]) if writes else None) or result
     tile = _strided(fused, math.prod(written.dims) if written.dims else 1)
     if tile is None:
         return None
-    outputs = [o for o in ([by_name(fused, n) for n in result.operands] if result.opcode == "tuple" else [written])
+    outputs = [o for o in ([_by_name(fused, n) for n in result.operands] if result.opcode == "tuple" else [written])
                if o is not None]
     elements = sum(math.prod(o.dims) for o in outputs)
     return (float(sum(math.prod(o.dims) * _BYTES.get(o.dtype, 4) for o in outputs)), float(elements * tile[2]),
             tile[:2], all(i.opcode in _MOVES for i in fused))
 
 
-def by_name(fused: list[_Instr], name: str) -> _Instr | None:
+def _by_name(fused: list[_Instr], name: str) -> _Instr | None:
     return next((i for i in fused if i.name == name), None)
