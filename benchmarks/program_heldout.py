@@ -153,7 +153,7 @@ def _from_json(args, cases: dict, topology, load_before) -> int:
     print(json.dumps({
         "benchmark": "program_heldout", "topology": topology.name, "devices": "emulated:8", "from_json": args.from_json,
         **_summary(rows), "rows": rows,
-        "one_device": {"step_time_at_calibrated_speed": {name: r["error_at_calibrated_speed"] for name, r in one.items()},
+        "one_device": {"step_time_at_calibrated_speed": {n: r["error_at_calibrated_speed"] for n, r in one.items()},
                        "rows": one},
         "load_average": saved.get("load_average"), "priced_load_average": [round(x, 2) for x in load_before]}))
     return 0

@@ -36,7 +36,8 @@ from testbed.fields import MAX_DEVICES, check_keys, expect_mapping, get_float, g
 
 __all__ = [
     "Sample", "Fit", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line", "weighted_fit", "of_kind",
-    "fit_dispatch", "fit_compute", "fit_memory", "fit_transpose", "BARRIER_COLLECTIVES", "samples_to_rows", "samples_from_rows",
+    "fit_dispatch", "fit_compute", "fit_memory", "fit_transpose", "BARRIER_COLLECTIVES", "samples_to_rows",
+    "samples_from_rows",
 ]
 
 #: Kinds of measurement rows: an empty program, a matmul on one device (square, or a ``gemm`` of any shape), a small

@@ -261,7 +261,8 @@ def compiled_transposes(text: str) -> Transposes:
     return Transposes(passes=tuple(found))
 
 
-def _kernel_tile(instr: _Instr, by: dict[str, _Instr], comps: dict) -> tuple[float, float, tuple[int, int], bool] | None:
+def _kernel_tile(instr: _Instr, by: dict[str, _Instr], comps: dict
+                 ) -> tuple[float, float, tuple[int, int], bool] | None:
     """A top-level instruction's written and read bytes, its minor size and stride and whether it only moves data,
     where it is a transposing kernel; else None."""
     if instr.opcode in ("copy", "transpose"):
