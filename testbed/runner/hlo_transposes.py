@@ -202,8 +202,7 @@ def _strided(fused: list[_Instr], elements: int) -> tuple[int, int, int] | None:
         return None
     results = [by[n] for n in roots[0].operands if n in by] if roots[0].opcode == "tuple" else roots
     for result in results:
-        written = by[result.operands[1]] if result.opcode == "dynamic-update-slice" and len(result.operands) > 1 \
-            and result.operands[1] in by else result
+        written = _written(result, by)
         minor = next((d for d in (result.layout or range(len(result.dims) - 1, -1, -1)) if result.dims[d] > 1), None)
         if minor is None or math.prod(written.dims) < 2:
             continue
@@ -279,20 +278,26 @@ def _kernel_tile(instr: _Instr, by: dict[str, _Instr], comps: dict
             return None
     else:
         return None
-    writes = [i for i in fused if i.opcode == "dynamic-update-slice" and i.root]
+    by_name = {i.name: i for i in fused}
     result = next((i for i in fused if i.root), None)
     if result is None:
         return None
-    written = (_by_name(fused, writes[0].operands[1]) if writes else None) or result
-    tile = _strided(fused, math.prod(written.dims) if written.dims else 1)
+    outputs = [_written(by_name[n], by_name) for n in result.operands if n in by_name] \
+        if result.opcode == "tuple" else [_written(result, by_name)]
+    tile = _strided(fused, min((math.prod(o.dims) for o in outputs), default=1))
     if tile is None:
         return None
-    outputs = [o for o in ([_by_name(fused, n) for n in result.operands] if result.opcode == "tuple" else [written])
-               if o is not None]
     elements = sum(math.prod(o.dims) for o in outputs)
     return (float(sum(math.prod(o.dims) * _BYTES.get(o.dtype, 4) for o in outputs)), float(elements * tile[2]),
             tile[:2], all(i.opcode in _MOVES for i in fused))
 
 
-def _by_name(fused: list[_Instr], name: str) -> _Instr | None:
-    return next((i for i in fused if i.name == name), None)
+def _written(result: _Instr, by: dict[str, _Instr]) -> _Instr:
+    """What a fusion's result writes: a dynamic-update-slice's update (in place; reached through bitcasts), else the
+    result itself."""
+    value = result
+    while value.opcode == "bitcast" and value.operands and value.operands[0] in by:
+        value = by[value.operands[0]]
+    if value.opcode == "dynamic-update-slice" and len(value.operands) > 1 and value.operands[1] in by:
+        return by[value.operands[1]]
+    return result
