@@ -115,7 +115,7 @@ def program_row(name: str, devices, topology, steps: int, measured: dict) -> dic
     price = priced(case["workload"], topology)
     share = len(devices) / dict(topology.calibration.host.throughput).get(len(devices), 1.0) \
         if topology.calibration.host else 1.0
-    row = {"step_s": sorted(times)[len(times) // 10], "predicted_step_s": case["predicted_s"],
+    row = {"step_s": sorted(times)[len(times) // 10], "predicted_step_s": ph.predicted(case),
            "seconds_per_device": dict(seconds), "share_of_thunks": {k: v / total for k, v in seconds.items()},
            "priced_on_the_step_s": {"dots": share * price.get("matmul_tasks_s", 0.0),
                                     "memory": share * price.get("memory_bound_tasks_s", 0.0),

@@ -32,7 +32,12 @@ to the compiled HLO's on every program. Prints ONE JSON object: per program the 
 errors raw and at the calibrated speed, the memory estimate, XLA's and their error, the bytes per axis and kind
 both ways; the medians and maxima; the load average before and after.
 
+``--from-json FILE`` times nothing: it prices the programs again (each compiled here, for its transposing kernels)
+against the rounds a previous run recorded (``rows``), each round's host speed scaled by the reference step's
+prediction on ``--topology`` over the one FILE recorded: a change of the model judged on a quiet run's measurements.
+
     python benchmarks/program_heldout.py [--steps S] [--rounds R] [--only NAME ...] [--topology T] [--no-one-device]
+                                         [--from-json FILE]
 """
 
 from __future__ import annotations
@@ -61,23 +66,33 @@ def _module(name: str):
 
 
 def prepared(name: str, devices, topology, mesh: dict | None = None) -> dict:
-    """The program called once on the devices' mesh (``mesh``, default its own), traced and priced, and its
-    compiled step's timer."""
+    """The program called once on the devices' mesh (``mesh``, default its own), traced, and its compiled step's
+    timer (:func:`predicted` prices it once compiled)."""
     from testbed.cli.program import local_mesh
     from testbed.runner.step_timer import StepTimer
     from testbed.runner.program import trace
     from testbed.runner.program.measure import ProgramTrainer
-    from testbed.sim.graph.traced import simulate_workload
 
     mesh = mesh or PROGRAMS[name]
     concrete = local_mesh(mesh, devices)
     step, args = _module(name).predict(concrete)
     workload = trace(step, *args, mesh=concrete, name=name)
-    report = simulate_workload(workload, topology).report
     trainer = ProgramTrainer(step, args, concrete)
     return {"mesh": mesh, "concrete": concrete, "workload": workload, "topology": topology,
-            "predicted_s": report.step_time_s,
             "trainer": trainer, "timer": StepTimer(trainer), "medians": [], "speeds": []}
+
+
+def predicted(case: dict) -> float:
+    """The step time ``testbed run --program`` predicts: the traced workload with the transposing kernels of its
+    compiled step (testbed.runner.hlo_transposes; read once the timer has compiled it), on the topology."""
+    from testbed.runner.hlo_transposes import with_transposes
+    from testbed.sim.graph.traced import simulate_workload
+
+    if case["trainer"].compiled is None:
+        case["timer"].round(1)
+    workload = with_transposes(case["workload"], case["trainer"].hlo_text())
+    case["workload"] = workload
+    return simulate_workload(workload, case["topology"]).report.step_time_s
 
 
 def _row(case: dict) -> dict:
@@ -86,6 +101,7 @@ def _row(case: dict) -> dict:
     from testbed.runner.program.measure import compiled_collectives
     from testbed.sim.graph.traced import device_collectives, device_memory
 
+    case["predicted_s"] = predicted(case)
     workload, trainer = case["workload"], case["trainer"]
     measured = min(case["medians"])
     at_calibrated = statistics.median(m * v for m, v in zip(case["medians"], case["speeds"]))
@@ -101,6 +117,9 @@ def _row(case: dict) -> dict:
             "memory_error": relative_error(estimate, float(xla.total)), "xla_memory": xla.to_dict(),
             "collectives": rows, "bytes_per_axis_equal": all(r["equal"] for r in rows),
             "flops_per_device": workload.flops(), "compile_s": case["timer"].compile_s,
+            "transposes": None if workload.transposes is None else {
+                "moved_bytes": workload.transposes.moved_bytes, "kernels": workload.transposes.kernels,
+                "fused_bytes": workload.transposes.fused_bytes},
             "round_medians_s": case["medians"], "host_speeds": case["speeds"],
             "assumptions": list(workload.assumptions)}
 
@@ -116,6 +135,30 @@ def _summary(rows: dict) -> dict:
                                      "programs": sum(r["bytes_per_axis_equal"] for r in rows.values())}}
 
 
+def _from_json(args, cases: dict, topology, load_before) -> int:
+    """``--from-json``: each program priced again (compiled here, not timed) against the rounds FILE recorded, each
+    round's host speed scaled by the reference step's prediction on ``topology`` over the one FILE recorded."""
+    from testbed.calibration.steps import step_plan
+    from testbed.sim.graph.engine import simulate
+
+    saved = json.loads(Path(args.from_json).read_text())
+    recorded = {**saved["rows"], **saved.get("one_device", {}).get("rows", {})}
+    reference = saved["reference_step"]
+    scale = simulate(step_plan(reference["plan"], 8), topology).report.step_time_s / reference["predicted_s"]
+    for name, case in cases.items():
+        case["medians"] = list(recorded[name]["round_medians_s"])
+        case["speeds"] = [v * scale for v in recorded[name]["host_speeds"]]
+    rows = {name: _row(case) for name, case in cases.items() if not name.endswith("@1")}
+    one = {name: _row(case) for name, case in cases.items() if name.endswith("@1")}
+    print(json.dumps({
+        "benchmark": "program_heldout", "topology": topology.name, "devices": "emulated:8", "from_json": args.from_json,
+        **_summary(rows), "rows": rows,
+        "one_device": {"step_time_at_calibrated_speed": {n: r["error_at_calibrated_speed"] for n, r in one.items()},
+                       "rows": one},
+        "load_average": saved.get("load_average"), "priced_load_average": [round(x, 2) for x in load_before]}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
@@ -125,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-device", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the data-parallel programs on one device, priced on the topology's one "
                              "device (default on)")
+    parser.add_argument("--from-json", default=None,
+                        help="price the rounds a previous run printed instead of timing (compiled, not timed)")
     args = parser.parse_args(argv)
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
@@ -143,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     alone = load_topology(args.topology, devices=1)
     cases.update({f"{name}@1": prepared(name, devices[:1], alone, {"data": 1}) for name in names
                   if args.one_device and PROGRAMS[name] == {"data": 8}})
+    if args.from_json:
+        return _from_json(args, cases, topology, load_before)
     reference = ReferenceStep(topology, devices)
     order = list(cases)
     for r in range(args.rounds):

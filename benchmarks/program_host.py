@@ -24,6 +24,8 @@ the host's drift since calibration) are diagnostics beside the raw errors, which
 ``--topology`` prices on another host topology (a file from ``testbed calibrate --devices emulated:8`` on
 this machine) instead of the bundled ``host-cpu-8``; ``--also`` prices the same measurements on more topologies
 (under ``also``: each one's errors, its host speeds scaled by its reference-step prediction over the headline's).
+The prediction reads the transposing kernels of each example's step compiled on the 8 emulated devices
+(testbed.runner.hlo_transposes), priced where the topology measured a transposing pass (docs/program.md).
 ``--from-json FILE`` measures nothing: it prices the rounds a previous run printed (its ``rows``), each round's
 host speed scaled by the reference step's prediction on ``--topology`` over the one FILE recorded, and prints the
 same JSON (with ``from_json``): a change of the model judged on a quiet run's measurements.
@@ -63,8 +65,11 @@ def _example(name: str, sizes: dict):
     return module
 
 
-def predicted(module, mesh: dict[str, int], topology) -> float:
-    """The step time ``testbed simulate --program`` predicts on ``topology`` (traced on an abstract mesh)."""
+def predicted(module, mesh: dict[str, int], topology, hlo: str | None = None) -> float:
+    """The step time ``testbed simulate --program`` predicts on ``topology`` (traced on an abstract mesh), with the
+    transposing kernels of the step compiled on this process's devices (``hlo``: :func:`compiled_hlo`; testbed.runner.
+    hlo_transposes), as ``simulate --program`` reads them where it has the devices."""
+    from testbed.runner.hlo_transposes import with_transposes
     from testbed.runner.program import PmapStep, abstract_mesh, trace, trace_pmap
     from testbed.sim.graph.traced import simulate_workload
 
@@ -74,7 +79,15 @@ def predicted(module, mesh: dict[str, int], topology) -> float:
                               in_axes=step.in_axes)
     else:
         workload = trace(step, *args, mesh=abstract_mesh(mesh))
+    if hlo is not None:
+        workload = with_transposes(workload, hlo)
     return float(simulate_workload(workload, topology).report.step_time_s)
+
+
+def compiled_hlo(module, mesh: dict[str, int]) -> str:
+    """The optimized HLO of the example's step compiled on this process's emulated devices."""
+    fn, args = _runnable(module, mesh)
+    return fn.lower(*args).compile().as_text()
 
 
 def _runnable(module, mesh: dict[str, int]):
@@ -193,14 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         measured[name] = {"mesh": HOST_SIZES[name][0], "sizes": HOST_SIZES[name][1], "measured_s": min(medians[name]),
                           "round_medians_s": medians[name], "round_cpu_s": cpu[name], "host_speeds": speeds[name],
                           "measured_at_calibrated_speed_s": at_calibrated}
-    headline = _scored(measured, {n: predicted(modules[n], HOST_SIZES[n][0], topology) for n in names}, 1.0)
+    hlo = {n: compiled_hlo(modules[n], HOST_SIZES[n][0]) for n in names}
+    headline = _scored(measured, {n: predicted(modules[n], HOST_SIZES[n][0], topology, hlo[n]) for n in names}, 1.0)
     rows = {name: {**measured[name], **headline["rows"][name]} for name in names}
     also = {}
     for given in args.also:  # keyed as given: calibrated files share a name
         other = load_topology(given)
         # Its reference-step prediction against the headline's scales every round's host speed.
         scale = simulate(reference.timer.plan, other).report.step_time_s / reference.predicted_s
-        also[given] = _scored(measured, {n: predicted(modules[n], HOST_SIZES[n][0], other) for n in names}, scale)
+        also[given] = _scored(measured, {n: predicted(modules[n], HOST_SIZES[n][0], other, hlo[n]) for n in names},
+                              scale)
     print(json.dumps({
         "benchmark": "program_host", "topology": topology.name, "devices": "emulated:8",
         "median_abs_error": headline["median_abs_error"], "max_abs_error": headline["max_abs_error"],
@@ -218,16 +233,21 @@ def _from_json(args) -> int:
     from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
 
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     saved = json.loads(Path(args.from_json).read_text())
     names = [n for n in saved["rows"] if not args.only or n in args.only]
     measured = {n: {k: saved["rows"][n][k] for k in ("mesh", "sizes", "measured_s", "round_medians_s", "round_cpu_s",
                                                       "host_speeds", "measured_at_calibrated_speed_s")} for n in names}
     modules = {n: _example(n, measured[n]["sizes"]) for n in names}
+    hlo = {n: compiled_hlo(modules[n], measured[n]["mesh"]) for n in names}
     reference = saved["reference_step"]
 
     def scored(topology) -> dict:
         scale = simulate(step_plan(reference["plan"], 8), topology).report.step_time_s / reference["predicted_s"]
-        return _scored(measured, {n: predicted(modules[n], measured[n]["mesh"], topology) for n in names}, scale)
+        return _scored(measured, {n: predicted(modules[n], measured[n]["mesh"], topology, hlo[n]) for n in names},
+                       scale)
 
     topology = load_topology(args.topology)
     headline = scored(topology)

@@ -358,8 +358,8 @@ def test_training_steps_are_measured_in_rounds_and_keep_the_least_disturbed():
     benches = plan_benchmarks("cpu", 8, quick=True)
     steps = [i for i, b in enumerate(benches) if b.kind in REPEATED_KINDS]
     assert len([i for i in steps if benches[i].kind in STEP_KINDS]) >= 3
-    assert {benches[i].kind for i in steps} == {*STEP_KINDS, *PAIRED_KINDS, "gemm"} == {
-        "step", "pipeline", "barriers", "concurrent", "programs", "gemm"}
+    assert {benches[i].kind for i in steps} == {*STEP_KINDS, *PAIRED_KINDS, "gemm", "transpose"} == {
+        "step", "pipeline", "barriers", "concurrent", "programs", "gemm", "transpose"}
     assert measurement_order(benches, 1) == list(range(len(benches)))
     order = measurement_order(benches, 3)
     assert order == list(range(len(benches))) + steps[::-1] + steps

@@ -243,7 +243,20 @@ def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, 
     if shapes is not None:
         topo = replace(topo, calibration=topo.calibration.updated(compute=shapes[0]))
         fits.append(shapes[1])
+    topo = _with_transposing(topo, base, samples, fits)
     return topo, fitted_values(topo, shared=host.shared, rates=rates, memory_bandwidth=memory_bw), fits
+
+
+def _with_transposing(topo: Topology, base: Topology, samples: list[fit.Sample], fits: list[fit.Fit]) -> Topology:
+    """``topo`` with ``memory.transpose_efficiency``: the transposing passes' rate (fit.fit_transpose) over the
+    fitted device's peak memory bandwidth, where calibrate measured them; else the base's (older measurements)."""
+    found = fit.fit_transpose(samples)
+    value = base.calibration.memory.transpose_efficiency
+    if found is not None:
+        value = min(1.0, found[0] / topo.device.memory_bandwidth)
+        fits.append(found[1])
+    return replace(topo, calibration=topo.calibration.updated(memory={"transpose_efficiency": value})) if value \
+        else topo
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ least squares, numpy only:
   ``compute.efficiency_half_flops``) on the model's own kernels
   (:func:`testbed.calibration.steps.fit_step_compute`);
 - memory: a stream of ``b`` bytes takes ``launch + b / (bandwidth * eff)``
-  (``memory.efficiency``);
+  (``memory.efficiency``); a transposing pass over ``b`` bytes ``c + b / (bandwidth * transpose_efficiency)``
+  (``memory.transpose_efficiency``, :func:`fit_transpose`);
 - host: :mod:`testbed.calibration.host` (``k`` devices at once vs one alone: the ``host`` group);
 - collectives: :mod:`testbed.calibration.collectives`.
 
@@ -35,15 +36,16 @@ from testbed.fields import MAX_DEVICES, check_keys, expect_mapping, get_float, g
 
 __all__ = [
     "Sample", "Fit", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line", "weighted_fit", "of_kind",
-    "fit_dispatch", "fit_compute", "fit_memory", "BARRIER_COLLECTIVES", "samples_to_rows", "samples_from_rows",
+    "fit_dispatch", "fit_compute", "fit_memory", "fit_transpose", "BARRIER_COLLECTIVES", "samples_to_rows",
+    "samples_from_rows",
 ]
 
 #: Kinds of measurement rows: an empty program, a matmul on one device (square, or a ``gemm`` of any shape), a small
 #: MLP training step on ``devices`` devices at once, a memory stream, a
 #: collective, a data-parallel training step of a model, a pipeline (MPMD)
 #: training step of a model.
-SAMPLE_KINDS = ("dispatch", "matmul", "gemm", "concurrent", "programs", "launches", "barriers", "memory", "collective",
-                "step", "pipeline")
+SAMPLE_KINDS = ("dispatch", "matmul", "gemm", "concurrent", "programs", "launches", "barriers", "memory", "transpose",
+                "collective", "step", "pipeline")
 #: Collectives in a ``barriers`` sample's chain (one between each two of its matmuls).
 BARRIER_COLLECTIVES = 24
 
@@ -238,6 +240,20 @@ def fit_memory(samples: Sequence[Sample], launch_s: float) -> tuple[float, Fit]:
     if not rows:
         raise InputError("no memory samples to fit bandwidth", field="memory")
     rate, _, fit = _rate_line(rows, "bytes", launch_s, "memory")
+    return rate, fit
+
+
+def fit_transpose(samples: Sequence[Sample]) -> tuple[float, Fit] | None:
+    """The transposing passes' rate (bytes/s) from ``transpose`` samples: ``t = c + b / rate``, a line in the bytes
+    read and written whose intercept ``c`` holds the program's launch and the pass's fixed cost. None without
+    such samples (an accelerator's calibration) or where their times do not grow with their bytes."""
+    rows = of_kind(samples, "transpose")
+    if len(rows) < 2:
+        return None
+    try:
+        rate, _, fit = _rate_line(rows, "bytes", 0.0, "transpose")
+    except InputError:
+        return None
     return rate, fit
 
 

@@ -27,6 +27,8 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows.append(("device", "sustained memory bandwidth", format_bandwidth(fitted["sustained_memory_bandwidth"])))
     rows += _compute_rows(groups["compute"])
     rows.append(("memory", "efficiency", f"{groups['memory']['efficiency']:.3f}"))
+    if groups["memory"].get("transpose_efficiency"):
+        rows.append(("memory", "transpose_efficiency", f"{groups['memory']['transpose_efficiency']:.3f}"))
     rows += _elementwise_rows(groups["elementwise"])
     rows.append(("collectives", "overhead_s", format_time(groups["collectives"]["overhead_s"])))
     rows.append(("collectives", "rendezvous_s",

@@ -230,13 +230,19 @@ def _shown(value: Any) -> str:
 
 
 def _with_xla_memory(workload: Any, step: Any, args: Any, mesh: dict[str, int]) -> Any:
-    """The workload with XLA's memory analysis of the step compiled on this process's devices (its arguments on
-    the concrete mesh the function was called with); unchanged where it does not compile here."""
+    """The workload with XLA's memory analysis and the transposing kernels (testbed.runner.hlo_transposes) of the
+    step compiled once on this process's devices (its arguments on the concrete mesh the function was called
+    with); unchanged where it does not compile here."""
     import dataclasses
 
-    from testbed.runner.program import compiled_memory
+    from testbed.runner.hlo_transposes import with_transposes
+    from testbed.runner.program import compiled_memory, compiled_step
 
-    memory = compiled_memory(step, args, math.prod(mesh.values()))
+    compiled = compiled_step(step, args, math.prod(mesh.values()))
+    if compiled is None:
+        return workload
+    workload = with_transposes(workload, compiled.as_text())
+    memory = compiled_memory(step, args, math.prod(mesh.values()), compiled)
     if memory is None:
         return workload
     estimate = workload.memory.get("total")

@@ -166,9 +166,13 @@ def program_data(args: argparse.Namespace, mesh: dict[str, int], devices: list[A
 
 def _predicted(workload: Any, topology: Any, m: Any) -> dict[str, Any]:
     """The prediction on ``topology`` beside the measurement: step time, memory, bytes per axis."""
+    import dataclasses
+
     from testbed.calibration.validation import collective_rows, relative_error
     from testbed.sim.graph.traced import device_collectives, device_memory, simulate_workload
 
+    if m.transposes is not None:  # the compiled step's transposing kernels (docs/program.md)
+        workload = dataclasses.replace(workload, transposes=m.transposes)
     report = simulate_workload(workload, topology).report
     estimate = float(device_memory(workload, topology)["total"])
     moved = device_collectives(workload, topology).collective_bytes()  # as the topology's compiler moves them

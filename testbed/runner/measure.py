@@ -35,7 +35,7 @@ from testbed.runner.step_timer import PlanTimer
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS",
            "collective_sample", "STEP_KINDS", "PAIRED_KINDS", "REPEATED_KINDS", "measurement_order", "least_disturbed",
-           "gemm_grid"]
+           "gemm_grid", "transpose_grid"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -64,6 +64,8 @@ class Benchmark:
             return f"matmul {self.dtype} {self.size}^3"
         if self.kind == "gemm":
             return "gemm {} {}x{}x{}".format(self.dtype, *self.shape)
+        if self.kind == "transpose":
+            return "transposing pass fp32 {}x{}".format(*self.shape[:2])
         if self.kind == "concurrent":
             return f"MLP step, {self.size} tokens, on {self.ranks} device(s) at once"
         if self.kind == "programs":
@@ -118,6 +120,8 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         out += [Benchmark(kind="barriers", size=k, ranks=g) for k in ((8,) if quick else (1, 8, 64))
                 for g in sorted({2, max(2, num_devices // 2), num_devices}) if num_devices % g == 0]
     out += [Benchmark(kind="memory", size=b) for b in streams]
+    if cpu:  # transposing passes: XLA:CPU's layout copies (testbed.runner.hlo_transposes prices them with this rate)
+        out += [Benchmark(kind="transpose", shape=(m, n, 0)) for m, n in transpose_grid(quick)]
     out += _collective_benchmarks(num_devices, messages, quick)
     if not cpu:  # a GPU's or TPU's steps are priced from its rates and its base's step fields (fit_accelerator)
         return out
@@ -154,6 +158,29 @@ def gemm_grid(quick: bool = False) -> list[tuple[int, int, int]]:
     """The (m, n, k) shapes calibrate times one at a time on a host: square, narrow and flat."""
     sides = GEMM_QUICK_SIDES if quick else GEMM_SIDES
     return [(m, n, k) for m in sides for n in sides for k in sides if GEMM_FLOPS[0] <= 2 * m * n * k <= GEMM_FLOPS[1]]
+
+
+#: The sides of calibrate's transposing passes on a host, and the bounds on their elements: f32 matrices of 64 KiB to
+#: 1 MiB, a pass over each reading and writing it within a core's cache (the layout copies XLA:CPU writes in the
+#: held-out and example steps are 2-512 KiB a device).
+TRANSPOSE_SIDES, TRANSPOSE_QUICK_SIDES = (64, 128, 256, 512), (128, 512)
+TRANSPOSE_ELEMENTS = (2 ** 14, 2 ** 18)
+
+
+def transpose_grid(quick: bool = False) -> list[tuple[int, int]]:
+    """The (rows, columns) of the f32 matrices calibrate passes over transposing, one at a time on one device."""
+    sides = TRANSPOSE_QUICK_SIDES if quick else TRANSPOSE_SIDES
+    return [(m, n) for m in sides for n in sides if TRANSPOSE_ELEMENTS[0] <= m * n <= TRANSPOSE_ELEMENTS[1]]
+
+
+def _transpose(bench: Benchmark, devices: Sequence[Any]) -> Sample:
+    """A transposing pass on one device: ``(v * 1.5 + 1).T`` of an ``m x n`` f32 matrix, the memory stream's loop
+    writing its result with the minor dimension moved (one read and one write of the matrix)."""
+    m, n, _ = bench.shape
+    x = jax.device_put(jnp.ones((m, n), jnp.float32), devices[0])
+    fn = jax.jit(lambda v: (v * 1.5 + 1.0).T)
+    seconds = time_call(lambda: fn(x), repeats=30, budget_s=0.3)
+    return Sample(kind="transpose", seconds=seconds, bytes=8.0 * m * n, m=m, n=n)
 
 
 def _gemm(bench: Benchmark, devices: Sequence[Any]) -> Sample:
@@ -305,6 +332,8 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchma
         return barriers_sample(bench, devices, timers)
     if bench.kind == "memory":
         return _memory(bench, devices)
+    if bench.kind == "transpose":
+        return _transpose(bench, devices)
     return collective_sample(bench, devices)
 
 
@@ -318,10 +347,11 @@ STEP_KINDS = ("step", "pipeline")
 #: within minutes (T(4) / T(8) read 0.75-0.97 from one ten-second curve to the next), so each point of a
 #: calibration's curve is the median of rounds spread over it rather than one taken at a single moment.
 PAIRED_KINDS = ("barriers", "concurrent", "programs")
-#: Measured in every round: the training steps, the paired comparisons and the grid of GEMM shapes. A GEMM keeps
-#: its median round: on XLA:CPU a small product's time is bimodal (run on the calling thread, ~10 us, or handed
-#: to the intra-op pool, ~50 us), and its fastest round would keep the rare one.
-REPEATED_KINDS = (*STEP_KINDS, *PAIRED_KINDS, "gemm")
+#: Measured in every round: the training steps, the paired comparisons, the grid of GEMM shapes and the transposing
+#: passes. A GEMM keeps its median round: on XLA:CPU a small product's time is bimodal (run on the calling thread,
+#: ~10 us, or handed to the intra-op pool, ~50 us), and its fastest round would keep the rare one; a transposing
+#: pass its fastest (tens of microseconds, which other load on the host only ever lengthens).
+REPEATED_KINDS = (*STEP_KINDS, *PAIRED_KINDS, "gemm", "transpose")
 
 
 def measurement_order(benches: Sequence[Benchmark], rounds: int = 1) -> list[int]:

@@ -145,13 +145,23 @@ class MemoryCalibration(_Group):
 
     efficiency: fraction of the device's peak memory bandwidth reached, by
         the roofline's memory bound and by the elementwise passes.
+    transpose_efficiency: fraction of it a transposing pass reaches (one
+        read and one write of a matrix, the result's minor dimension the
+        source's major one: ``calibrate``'s ``transpose`` samples on a host,
+        testbed.calibration.fit.fit_transpose), which prices the layout copies
+        of a traced program's compiled step (testbed.runner.hlo_transposes,
+        testbed.sim.graph.traced_graph); 0 (default): not measured, and a
+        transpose is free (folded into its consumer).
     """
 
     GROUP: ClassVar[str] = "memory"
     efficiency: float = 1.0
+    transpose_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         self._fraction("efficiency")
+        if self.transpose_efficiency:
+            self._fraction("transpose_efficiency")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

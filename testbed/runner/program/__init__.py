@@ -5,7 +5,7 @@ imported inside the functions. ``trace`` / ``trace_pmap`` return a :class:`testb
 :func:`testbed.sim.graph.traced.simulate_workload` prices it on a topology.
 """
 
-from testbed.runner.program.tracing import (PmapStep, abstract_mesh, compiled_memory, trace, trace_pmap,
+from testbed.runner.program.tracing import (PmapStep, abstract_mesh, compiled_memory, compiled_step, trace, trace_pmap,
                                             workload_from_text)
 
-__all__ = ["trace", "trace_pmap", "PmapStep", "abstract_mesh", "workload_from_text", "compiled_memory"]
+__all__ = ["trace", "trace_pmap", "PmapStep", "abstract_mesh", "workload_from_text", "compiled_memory", "compiled_step"]

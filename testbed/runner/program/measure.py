@@ -9,8 +9,9 @@ the least disturbed round kept: other load only ever slows a step down). A step 
 arguments' structure, shapes and dtypes (a training step returning its next state) is fed its own outputs,
 so one that donates its arguments runs; any other is called on the same arguments every time.
 
-From the same executable: XLA's memory analysis (:func:`testbed.runner.tpu_compile.memory_stats`) and the
-compiled HLO's collectives per mesh axis as XLA scheduled them (:mod:`testbed.runner.hlo_schedule`).
+From the same executable: XLA's memory analysis (:func:`testbed.runner.tpu_compile.memory_stats`), the
+compiled HLO's collectives per mesh axis as XLA scheduled them (:mod:`testbed.runner.hlo_schedule`) and its
+transposing kernels (:mod:`testbed.runner.hlo_transposes`).
 JAX is imported inside the functions.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from testbed.compiled.records import XlaMemory
+from testbed.sim.xla.workload import CompiledTransposes
 
 __all__ = ["ProgramTrainer", "ProgramMeasurement", "measure_program", "concrete_arguments"]
 
@@ -112,6 +114,8 @@ class ProgramMeasurement:
     ``collectives``: ``{axes: {kind: bytes per device per step}}`` in the traced workload's spelling
     (``data+fsdp``, ``all_reduce``), each instruction counted as often as the compiled program runs it.
     ``host_speeds``: the reference step's speed after each round, where one was timed (validate's diagnostic).
+    ``transposes``: the compiled step's transposing kernels (testbed.runner.hlo_transposes), which the prediction
+    beside it prices.
     """
 
     compile_s: float
@@ -120,6 +124,7 @@ class ProgramMeasurement:
     memory: XlaMemory | None
     collectives: dict[str, dict[str, float]]
     host_speeds: tuple[float, ...] = ()
+    transposes: CompiledTransposes | None = None
 
     def __post_init__(self) -> None:
         if not self.round_medians_s or min(self.round_medians_s) <= 0 or self.compile_s < 0:
@@ -160,6 +165,7 @@ def measure_program(step: Any, args: Any, mesh: Any, *, steps: int, rounds: int,
     ``after_round()`` (validate's reference step) returns the host's speed, timed after each round;
     ``progress(phase, done, total)`` hears of ``compile`` and ``steps`` as ``testbed run`` shows them.
     """
+    from testbed.runner.hlo_transposes import compiled_transposes
     from testbed.runner.step_timer import StepTimer
 
     tell = progress or (lambda phase, done, total: None)
@@ -180,6 +186,7 @@ def measure_program(step: Any, args: Any, mesh: Any, *, steps: int, rounds: int,
         memory = trainer.memory()
     except Exception:  # noqa: BLE001 - a backend without memory_analysis: no XLA memory
         memory = None
+    text = trainer.hlo_text()
     return ProgramMeasurement(compile_s=timer.compile_s, round_medians_s=tuple(medians), step_times_s=tuple(times),
-                              memory=memory, collectives=compiled_collectives(trainer.hlo_text(), mesh),
-                              host_speeds=tuple(speeds))
+                              memory=memory, collectives=compiled_collectives(text, mesh), host_speeds=tuple(speeds),
+                              transposes=compiled_transposes(text).compiled())

@@ -227,14 +227,9 @@ def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: 
                     buffers=len(compiled.arg_bytes), loops=loops)
 
 
-def compiled_memory(step: Any, args: Any, devices: int) -> dict | None:
-    """XLA's memory analysis of ``step(*args)`` compiled on this process's devices (emulated CPU devices), or
-    None when it has fewer than ``devices`` or the step does not compile here.
-
-    ``step`` is bound to a concrete mesh of the process's devices (a jitted function whose arguments carry
-    NamedShardings on it, or a :class:`PmapStep`). Bytes per device: XLA:CPU's buffer assignment, which
-    is what a target's compiler would do only roughly (its fusion and scheduling differ).
-    """
+def compiled_step(step: Any, args: Any, devices: int) -> Any:
+    """``step(*args)`` compiled on this process's devices (``jax.stages.Compiled``), or None when it has fewer than
+    ``devices`` or the step does not compile here (one that only lowers abstractly). Compiled once per call."""
     import jax
 
     if len(jax.devices()) < devices:
@@ -243,12 +238,25 @@ def compiled_memory(step: Any, args: Any, devices: int) -> dict | None:
         if isinstance(step, PmapStep):
             mapped = jax.pmap(step.fn, axis_name=step.axis_name, in_axes=step.in_axes,
                               devices=jax.devices()[:devices])
-            compiled = mapped.lower(*_abstract(args)).compile()
-        else:
-            jitted = step if hasattr(step, "trace") else jax.jit(step)
-            compiled = jitted.trace(*_abstract(args)).lower().compile()
-        analysis = compiled.memory_analysis()
-    except Exception:  # a step that only lowers abstractly (or a backend without the analysis): no XLA numbers
+            return mapped.lower(*_abstract(args)).compile()
+        jitted = step if hasattr(step, "trace") else jax.jit(step)
+        return jitted.trace(*_abstract(args)).lower().compile()
+    except Exception:  # noqa: BLE001 - a step that only lowers abstractly: nothing compiled
+        return None
+
+
+def compiled_memory(step: Any, args: Any, devices: int, compiled: Any = None) -> dict | None:
+    """XLA's memory analysis of ``step(*args)`` compiled on this process's devices (emulated CPU devices), or
+    None when it has fewer than ``devices`` or the step does not compile here.
+
+    ``step`` is bound to a concrete mesh of the process's devices (a jitted function whose arguments carry
+    NamedShardings on it, or a :class:`PmapStep`). Bytes per device: XLA:CPU's buffer assignment, which
+    is what a target's compiler would do only roughly (its fusion and scheduling differ).
+    """
+    compiled = compiled if compiled is not None else compiled_step(step, args, devices)
+    try:
+        analysis = None if compiled is None else compiled.memory_analysis()
+    except Exception:  # a backend without the analysis: no XLA numbers
         return None
     if analysis is None:
         return None

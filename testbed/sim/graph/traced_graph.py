@@ -51,7 +51,7 @@ from testbed.sim.price.compute import with_epilogue
 from testbed.sim.xla.workload import OpKind, Workload
 from testbed.topology import Topology
 
-__all__ = ["workload_program", "mesh_groups", "collective_bytes", "convert_bytes", "repeat_gemm"]
+__all__ = ["workload_program", "mesh_groups", "collective_bytes", "convert_bytes", "repeat_gemm", "transpose_bytes"]
 
 
 def mesh_groups(device_ids: np.ndarray, axis_names: tuple[str, ...], axes: tuple[str, ...]
@@ -100,8 +100,35 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
         else:
             graph.compute(i)
     graph.close()
+    _transposes_task(graph, workload, topology)
     representative = np.full(workload.devices, graph.rep, dtype=np.int64)
     return Program(tasks=tuple(graph.b.tasks), representative=representative)
+
+
+def _transposes_task(graph: "_Segments", workload: Workload, topology: Topology) -> None:
+    """The compiled step's transposing kernels (``Workload.transposes``) as one compute task after the step's last
+    task, where the topology measured a transposing pass (:func:`transpose_bytes`): XLA:CPU runs each kernel, and
+    every collective, in program order on the device's thread, so where they run moves no other task."""
+    hbm = transpose_bytes(workload, topology)
+    if hbm <= 0:
+        return
+    tasks = graph.b.tasks
+    graph.b.add(name=f"transposing passes ({workload.transposes.kernels} kernels)", device=graph.rep,
+                stream="compute", kind=TaskKind.COMPUTE, deps=(len(tasks) - 1,) if tasks else graph.previous,
+                hbm_bytes=hbm, kernels=workload.transposes.kernels)
+
+
+def transpose_bytes(workload: Workload, topology: Topology) -> float:
+    """The memory stream's bytes whose time the compiled step's transposing kernels take (0: none read, or no
+    transposing pass measured): a kernel that only moves data reads and writes its bytes at the transposing pass's
+    rate (``memory.transpose_efficiency`` of the peak), which the fusion estimate priced as free; one that also
+    computes pays that rate less the plain pass it was priced at (``memory.efficiency``). A kernel that only moves
+    data is also a kernel of its own (``compute.kernel_s`` each, testbed.sim.graph.traced.price_workload)."""
+    memory, found = topology.calibration.memory, workload.transposes
+    if found is None or memory.transpose_efficiency <= 0:
+        return 0.0
+    slower = memory.efficiency / memory.transpose_efficiency
+    return found.moved_bytes * slower + found.fused_bytes * max(0.0, slower - 1.0)
 
 
 def _last_blocking(tasks, kinds: frozenset[str]) -> tuple[int, ...]:

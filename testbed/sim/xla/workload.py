@@ -24,7 +24,7 @@ from enum import StrEnum
 from testbed.errors import InputError
 from testbed.model.gemm import Gemm
 
-__all__ = ["OpKind", "TracedOp", "Workload", "COLLECTIVE_KINDS", "element_bytes"]
+__all__ = ["OpKind", "TracedOp", "Workload", "CompiledTransposes", "COLLECTIVE_KINDS", "element_bytes"]
 
 #: Collective kinds (DESIGN.md / testbed.collectives spelling) a workload may hold.
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
@@ -109,6 +109,23 @@ class TracedOp:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CompiledTransposes:
+    """The transposing kernels of one device's step as its compiler wrote them (testbed.runner.hlo_transposes reads
+    XLA:CPU's compiled HLO), per step: ``moved_bytes`` (read and written) and ``kernels`` (executions) of those that
+    only move data, which the fusion estimate prices as free (a transpose folded into its consumer); ``fused_bytes``
+    of those that also compute, whose elementwise work the fusion estimate prices as a plain pass."""
+
+    moved_bytes: float = 0.0
+    kernels: int = 0
+    fused_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.moved_bytes, self.fused_bytes) < 0 or self.kernels < 0 or not all(
+                math.isfinite(x) for x in (self.moved_bytes, self.fused_bytes)):
+            raise ValueError(f"transposes' bytes and kernels must be finite and >= 0, got {self}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
     """A traced step: the mesh it was partitioned for, one device's ops, and what the tracer assumed.
 
@@ -119,7 +136,8 @@ class Workload:
     (bytes; ``method`` names how it was made); ``buffers`` the device buffers one dispatch of the step
     passes (its argument arrays, for a controller's calibrated per-buffer cost); ``loops`` each loop the tracer
     unrolled, its iterations' ``TracedOp.iteration`` numbers in order (XLA runs one iteration's body at a time:
-    testbed.sim.graph.traced_graph starts an iteration once the one before it, inner loops included, has ended).
+    testbed.sim.graph.traced_graph starts an iteration once the one before it, inner loops included, has ended);
+    ``transposes`` the transposing kernels of the compiled step where it was compiled (None: not read, priced free).
     """
 
     name: str
@@ -130,8 +148,11 @@ class Workload:
     memory: dict = field(default_factory=dict)
     buffers: int = 0
     loops: tuple[tuple[int, ...], ...] = ()
+    transposes: CompiledTransposes | None = None
 
     def __post_init__(self) -> None:
+        if self.transposes is not None and not isinstance(self.transposes, CompiledTransposes):
+            raise TypeError(f"workload {self.name!r}: transposes must be CompiledTransposes or None")
         if not self.mesh or any(int(n) < 1 for n in self.mesh.values()):
             raise InputError(f"workload {self.name!r}: mesh must map axis names to sizes >= 1, got {self.mesh}")
         for i, op in enumerate(self.ops):
