@@ -34,11 +34,12 @@ SAFETY = 1e-9
 
 class AboveBar(Exception):
     """A play stopped once its step could no longer be at most the bar: ``floor``, a lower bound of that step, is
-    above it."""
+    above it; ``bounds``: every bound the play checked against the bar, in order (its last is ``floor``), so a play
+    of the same step under a lower bar would stop at the first of them above that bar (testbed.explore.analytic)."""
 
-    def __init__(self, floor: float) -> None:
+    def __init__(self, floor: float, bounds: tuple[float, ...] | list[float] = ()) -> None:
         super().__init__(floor)
-        self.floor = floor
+        self.floor, self.bounds = floor, bounds
 
 
 def action_floors(step: StepPrices) -> dict[tuple[int, int, str], float]:
