@@ -189,9 +189,21 @@ def cached_played_floor(key: tuple, plan: Plan, topology: Topology) -> float | N
 
 
 def _played_floor(plan: Plan, topology: Topology) -> float | None:
-    """:func:`played_floor`, not memoized."""
+    """:func:`played_floor`, not memoized on the plan: its play (:func:`played_at`) memoized per topology on all it
+    reads, the schedule's order and each stage's floors (plans apart in what leaves those alike, such as a ZeRO
+    stage or a remat that adds no work, play one)."""
     priced = stage_floors(plan, topology)
-    return None if priced is None else played_at(plan, priced)
+    if priced is None:
+        return None
+    key = (plan.schedule.name, plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages,
+           tuple(tuple(chunks.items()) for chunks in priced))
+    memo = topology_memo(topology).setdefault("played_at", {})
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) > 100_000:
+            memo.clear()
+        hit = memo[key] = played_at(plan, priced)
+    return hit
 
 
 def played_at(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
