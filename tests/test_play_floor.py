@@ -16,6 +16,7 @@ from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.plan.placement import place
 from testbed.sim.step.facts import step_facts, topology_rules
 from testbed.sim.step.step_rules import action_steps
+from testbed.sim.step.update_facts import update_seconds
 from testbed.topology.io import load_topology
 
 SPACE = SearchSpace(schedules=("1f1b", "interleaved", "zb-h1"), microbatches=(1, 4, 8), zero=(0, 1, 3),
@@ -104,3 +105,18 @@ def test_play_floor_counts_the_comm_slowdown_beside_gathers() -> None:
         assert all(with_rate[k] >= without[k] for k in without)
         slowed += sum(with_rate[k] > without[k] for k in without)
     assert slowed  # some actions' floors count it
+
+
+def test_stage_rests_add_each_floor_in_the_schedules_order() -> None:
+    """stage_rests' sums are the optimizer's compute plus each action's floor added one by one in the order played
+    (the play takes them off one by one: the bounds it checks are those sums' own, to the bit)."""
+    topology = load_topology("dgx-h100-x4")
+    for plan in _plans("llama3-8b", 32, 10, 7):
+        ids = place(plan, topology).device_ids
+        facts = step_facts(plan, ids, **topology_rules(topology))
+        step = StepPrices(facts, topology, ids)
+        floors = action_floors(step)
+        want = [update_seconds(topology, step.dtype, u) for u in facts.updates]
+        for s, action, _ in facts.order:
+            want[s] += floors[(s, action.chunk, action.kind)]
+        assert stage_rests(step, floors) == want

@@ -114,9 +114,11 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     finite ``bar``, where the step is certainly above it, a lower bound of the step above ``bar`` instead
     (testbed.explore.play_floor: the play stops there).
 
-    ``plays`` (one dict per topology, empty at first): the last :data:`MEMO_PLAYS` whole plays by
-    :func:`~testbed.sim.step.facts.facts_key`; a plan whose key was played to a step at most ``bar`` reuses it
-    (a play stops only once its step's floors, lower bounds, pass the bar, so it would have played whole).
+    ``plays`` (one dict per topology, empty at first): the plays, whole or stopped above a bar, of the last
+    :data:`MEMO_PLAYS` keys (:func:`~testbed.sim.step.facts.facts_key`). A plan whose key was played whole to a
+    step at most ``bar`` reuses it (a play stops only once its step's floors, lower bounds, pass the bar, so it
+    would have played whole); one whose key's play stopped above a bar at least ``bar`` stops where that play
+    checked its first bound above ``bar`` (:class:`_Stopped`: the play, and its bounds, are those of its key).
     """
     ids = place(plan, topology).device_ids
     facts, memory = step_facts(plan, ids, **topology_rules(topology)), memory or plan_memory(plan, topology)
@@ -126,12 +128,26 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
         raise ValueError("an estimate memo holds the plays of one topology")
     key = facts_key(facts, ids, topology.calibration.controller is not None)
     split = recall(plays, key)
+    if isinstance(split, _Stopped):
+        if bar <= split.bar:
+            return next(x for x in split.bounds if x > bar)  # the last is above split.bar
+        split = None
     if split is None or split.step_time_s > bar:
-        split = _played(facts, topology, ids, bar)
-        if isinstance(split, float):
-            return split
+        played = _played(facts, topology, ids, bar)
+        if isinstance(played, AboveBar):
+            if split is None:  # (a whole play kept stays kept)
+                keep(plays, key, _Stopped(bar, played.bounds), MEMO_PLAYS)
+            return played.floor
+        split = played
         keep(plays, key, split, MEMO_PLAYS)
     return _estimate(split, memory)
+
+
+class _Stopped(NamedTuple):
+    """A play stopped above ``bar`` (testbed.explore.play_floor.AboveBar): every bound it checked, in order."""
+
+    bar: float
+    bounds: list[float]
 
 
 class _Split(NamedTuple):
@@ -153,11 +169,11 @@ def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: Memory
     """The analytic estimate of the step ``facts`` describes, placed as ``device_ids`` on ``topology`` (``bar``: as
     :func:`estimate`'s; a shared host's plays are not stopped)."""
     split = _played(facts, topology, device_ids, bar)
-    return split if isinstance(split, float) else _estimate(split, memory)
+    return split.floor if isinstance(split, AboveBar) else _estimate(split, memory)
 
 
-def _played(facts: StepFacts, topology: Topology, device_ids, bar: float = math.inf) -> _Split | float:
-    """:func:`estimate_of`'s play: the step and its busiest stage's split, or the floor above ``bar`` it stopped at.
+def _played(facts: StepFacts, topology: Topology, device_ids, bar: float = math.inf) -> _Split | AboveBar:
+    """:func:`estimate_of`'s play: the step and its busiest stage's split, or where it stopped above ``bar``.
 
     A shared host (emulated devices): each device computing runs at host_share(n, P) of its speed with n
     computing at once in P programs (a pipeline's stages). One program (no stages): all its devices compute
@@ -169,7 +185,7 @@ def _played(facts: StepFacts, topology: Topology, device_ids, bar: float = math.
     try:
         step, busy, comm, host = Play(priced, 1.0).run(math.inf if cal.shares_host else bar)
     except AboveBar as above:
-        return above.floor
+        return above
     if cal.shares_host and p == 1:  # all devices compute together; the controller's dispatch precedes them
         share = cal.host_share(topology.num_devices + controller_load(p, host, step))
         step, busy, comm, host = Play(priced, 1.0 / share).run()

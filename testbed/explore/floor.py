@@ -189,41 +189,58 @@ def cached_played_floor(key: tuple, plan: Plan, topology: Topology) -> float | N
 
 
 def _played_floor(plan: Plan, topology: Topology) -> float | None:
-    """:func:`played_floor`, not memoized."""
+    """:func:`played_floor`, not memoized on the plan: its play (:func:`played_at`) memoized per topology on all it
+    reads, the schedule's order and each stage's floors (plans apart in what leaves those alike, such as a ZeRO
+    stage or a remat that adds no work, play one)."""
     priced = stage_floors(plan, topology)
-    return None if priced is None else played_at(plan, priced)
+    if priced is None:
+        return None
+    key = (plan.schedule.name, plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages,
+           tuple(tuple(chunks.items()) for chunks in priced))
+    memo = topology_memo(topology).setdefault("played_at", {})
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) > 100_000:
+            memo.clear()
+        hit = memo[key] = played_at(plan, priced)
+    return hit
 
 
 def played_at(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
     """The schedule's dependency order played with each action at ``priced``'s seconds (per stage, ``(chunk, kind)``
     -> seconds), as :func:`played_floor` plays it at its floors: the latest end."""
     p = plan.mesh.stage
+    keys, order = _floor_order(plan.schedule.name.value, p, plan.batch.microbatches, plan.schedule.virtual_stages)
+    seconds = [priced[s][action] for s, action in keys]
     end: list[float] = []
     free, add = [0.0] * p, end.append
-    for s, action, deps in _floor_order(plan.schedule.name.value, p, plan.batch.microbatches,
-                                        plan.schedule.virtual_stages):
+    for s, k, deps in order:
         start = free[s]
         for dep in deps:
             t = end[dep]
             if t > start:
                 start = t
-        free[s] = t = start + priced[s][action]
+        free[s] = t = start + seconds[k]
         add(t)
     return max(free)
 
 
 @functools.lru_cache(maxsize=4096)
-def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[int, tuple[int, str], tuple[int, ...]], ...]:
-    """The schedule's execution order (testbed.sim.step.memo.cached_order) as :func:`_played_floor` plays it: per
-    action its stage, its ``(chunk, kind)`` and the positions in the order of every action it waits for, its
-    other stages' (a send arrives no earlier than its sender ends: testbed.sim.step.memo.Waits; each before it: the
-    order puts dependencies first). Its own stage's are left out: each ended by the time its stage is free."""
+def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, tuple[int, str]], ...],
+                                                              tuple[tuple[int, int, tuple[int, ...]], ...]]:
+    """The schedule's execution order (testbed.sim.step.memo.cached_order) as :func:`_played_floor` plays it: its
+    actions' distinct ``(stage, (chunk, kind))``, and per action its stage, the position of its own among those and
+    the positions in the order of every action it waits for, its other stages' (a send arrives no earlier than its
+    sender ends: testbed.sim.step.memo.Waits; each before it: the order puts dependencies first). Its own stage's
+    are left out: each ended by the time its stage is free."""
     at: dict[tuple, int] = {}  # an action's key -> its position
+    keys: dict[tuple[int, tuple[int, str]], int] = {}
     out = []
     for i, (s, a, w) in enumerate(cached_order(name, p, m, v)[1]):
-        out.append((s, (a.chunk, a.kind), tuple(at[key] for key in w.ends + w.receives if key[0] != s)))
+        k = keys.setdefault((s, (a.chunk, a.kind)), len(keys))
+        out.append((s, k, tuple(at[key] for key in w.ends + w.receives if key[0] != s)))
         at[(s, a.kind, a.microbatch, a.chunk)] = i
-    return tuple(out)
+    return tuple(keys), tuple(out)
 
 
 def stage_floors(plan: Plan, topology: Topology, computes: list | None = None

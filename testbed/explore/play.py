@@ -57,8 +57,7 @@ class Play:
         self.slowdown = step.topology.device.comm_slowdown  # read per action
         self.end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
         self.arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
-        self.free, self.pipe, self.gather_free, self.grad, self.once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, \
-            [0.0] * p
+        self.free, self.pipe, self.gather_free, self.grad, self.once = ([0.0] * p for _ in range(5))
         self.recv: dict[tuple[int, str], float] = {}  # (stage, direction) -> its split sends' gathers done
         self.block_ends: list[list[float]] = [[] for _ in range(p)]  # the last gathering action's blocks' ends
         # With a slowdown, the last action's block gathers in flight, and what its blocks were played from.
@@ -96,18 +95,19 @@ class Play:
 
     def _bounded(self, bar: float) -> None:
         """Every action played as :meth:`run`, stopping once a stage's free time and the floors of what it has left
-        (testbed.explore.play_floor) pass ``bar``."""
+        (testbed.explore.play_floor) pass ``bar`` (AboveBar: with every bound checked)."""
         floors = action_floors(self.step)
         rests, keep = stage_rests(self.step, floors), 1.0 - SAFETY
-        if max(rests) * keep > bar:
-            raise AboveBar(max(rests) * keep)
-        free = self.free
+        free, bounds = self.free, [max(rests) * keep]
+        if bounds[0] > bar:
+            raise AboveBar(bounds[0], bounds)
         for step in action_steps(self.facts):
             self.action(step)
             s, action = step.stage, step.action
             rests[s] -= floors[(s, action.chunk, action.kind)]
-            if (free[s] + rests[s]) * keep > bar:
-                raise AboveBar((free[s] + rests[s]) * keep)
+            bounds.append((free[s] + rests[s]) * keep)
+            if bounds[-1] > bar:
+                raise AboveBar(bounds[-1], bounds)
 
     def _start(self, s: int, c: int, kind: str, accumulated: bool, waits: Waits) -> float:
         """When an action starts: after its stage's previous action (and program), its dispatch

@@ -18,6 +18,8 @@ tests/test_play_floor.py holds the bound under the estimate on sampled plans, at
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import TYPE_CHECKING
 
 from testbed.sim.step.step_rules import Gradients, gradients
@@ -34,11 +36,12 @@ SAFETY = 1e-9
 
 class AboveBar(Exception):
     """A play stopped once its step could no longer be at most the bar: ``floor``, a lower bound of that step, is
-    above it."""
+    above it; ``bounds``: every bound the play checked against the bar, in order (its last is ``floor``), so a play
+    of the same step under a lower bar would stop at the first of them above that bar (testbed.explore.analytic)."""
 
-    def __init__(self, floor: float) -> None:
+    def __init__(self, floor: float, bounds: tuple[float, ...] | list[float] = ()) -> None:
         super().__init__(floor)
-        self.floor = floor
+        self.floor, self.bounds = floor, bounds
 
 
 def action_floors(step: StepPrices) -> dict[tuple[int, int, str], float]:
@@ -86,24 +89,28 @@ def _least_beside(step: StepPrices, p, kind: str) -> float:
 
 
 def stage_rests(step: StepPrices, floors: dict[tuple[int, int, str], float]) -> list[float]:
-    """Per stage, the floors of all its actions in the schedule's order and its optimizer's compute."""
+    """Per stage, its optimizer's compute plus the floors of all its actions, added one by one in the schedule's
+    order."""
     facts = step.facts
     rests = [update_seconds(step.topology, step.dtype, u) for u in facts.updates]  # what play.py's update costs
-    for s, key in _floor_keys(facts.order):
-        rests[s] += floors[key]
+    for s, keys in enumerate(_floor_keys(facts.order, facts.stages)):
+        rests[s] = functools.reduce(operator.add, map(floors.__getitem__, keys), rests[s])
     return rests
 
 
-#: id(order) -> (order, each action's stage and floor key): the schedules' orders are memoized, so plays share them.
+#: id(order) -> (order, each stage's actions' floor keys): the schedules' orders are memoized, so plays share them.
 _KEYS: dict[int, tuple[tuple, tuple]] = {}
 
 
-def _floor_keys(order: tuple) -> tuple[tuple[int, tuple[int, int, str]], ...]:
-    """Each action of ``order`` (StepFacts.order) as its stage and its key in :func:`action_floors`, memoized (the
-    memo keeps the order, so its id is not reused)."""
+def _floor_keys(order: tuple, stages: int) -> tuple[tuple[tuple[int, int, str], ...], ...]:
+    """Per stage, the key in :func:`action_floors` of each of its actions in ``order`` (StepFacts.order), in order;
+    memoized (the memo keeps the order, so its id is not reused)."""
     hit = _KEYS.get(id(order))
     if hit is None or hit[0] is not order:
         if len(_KEYS) > 1024:
             _KEYS.clear()
-        hit = _KEYS[id(order)] = (order, tuple((s, (s, a.chunk, a.kind)) for s, a, _ in order))
+        keys: list[list[tuple[int, int, str]]] = [[] for _ in range(stages)]
+        for s, a, _ in order:
+            keys[s].append((s, a.chunk, a.kind))
+        hit = _KEYS[id(order)] = (order, tuple(map(tuple, keys)))
     return hit[1]
