@@ -61,7 +61,9 @@ def test_the_second_held_out_set_meets_the_step_time_and_memory_goals() -> None:
     assert _meets(_errors("heldout2", "memory_error"), MEMORY), _errors("heldout2", "memory_error")
 
 
-@pytest.mark.xfail(strict=True, reason="against XLA:TPU's total ho-llama500m-seq8192-full is -10.3% (median 2.4%)")
+@pytest.mark.xfail(strict=True, reason="against XLA:TPU's total ho-llama500m-seq8192-full is -10.3% (median 2.4%): "
+                   "its heap's 514 MB of gaps at the loss, reported twice, which testbed's step heap does not lay out "
+                   "(docs/xla_tpu.md); its live peak is within 0.1% of XLA's")
 def test_the_held_out_plans_meet_the_memory_goal() -> None:
     assert _meets(_errors("heldout", "memory_error"), MEMORY)
 
