@@ -145,16 +145,16 @@ def scan_flash_fp32_bytes(plan: Plan) -> int:
 
 def keeps_residual_summands(plan: Plan) -> bool:
     """Whether XLA:TPU keeps a full-remat forward's residual summands rather than its block inputs: one device, one
-    sequence a microbatch, full remat (no dots policy). Each layer's attention and MLP output projections
-    (``[tokens, d_model]`` each, the second outputs of the fusions that add them to the stream) are held in HBM
-    through the forward (serial blocks), and one fusion at the forward's end writes the block inputs of layers 1..L-1 from them,
-    beside its operands but the first layer's two (moved to VMEM ahead of it); the last layer's output, the head's
-    norm input, is written with the last layer. The block inputs' live bytes at the loss are the same; the heap's
-    gaps are not (testbed.model.step_heap lays them out). Read from the buffer assignments of
+    sequence a microbatch, full remat (no dots policy, serial blocks). Each layer's attention and MLP output
+    projections (``[tokens, d_model]`` each, the second outputs of the fusions that add them to the stream) are held
+    in HBM through the forward, and one fusion at the forward's end writes the block inputs of layers 1..L-1 from
+    them, beside its operands but the first layer's two (moved to VMEM ahead of it); the last layer's output, the
+    head's norm input, is written with the last layer. The block inputs' live bytes at the loss are the same; the
+    heap's gaps are not (testbed.model.step_heap lays them out). Read from the buffer assignments of
     ho-llama500m-seq8192-full (benchmarks/tpu_chip/heldout/, 8 layers, 8,192 tokens) and of the same plan at 12
-    layers and at vocabulary 24,576, compiled deviceless for one v5e chip (libtpu 0.0.42.1); at two sequences of
-    4,096 tokens (the same tensors) and on llama400m-bf16-full (eight sequences) XLA:TPU keeps each block input as
-    the forward writes it (docs/xla_tpu.md)."""
+    layers and at vocabularies 24,576 and 50,304, compiled deviceless for one v5e chip (libtpu 0.0.42.1); at two
+    sequences of 4,096 tokens (the same tensors) and on llama400m-bf16-full (eight sequences) XLA:TPU keeps each
+    block input as the forward writes it (docs/xla_tpu.md)."""
     return (plan.mesh.size == 1 and plan.microbatch_size == 1 and plan.remat is Remat.FULL and not saves_dots(plan)
             and not keeps_flash_under_full(plan) and not plan.model.parallel_block)
 
