@@ -18,7 +18,10 @@ layer's forward, the head, the loss, the head's backward, each layer's backward 
   the compute dtype: testbed.model.blocks.narrowed); the head's gathered block lives from the head's forward
   through its backward (testbed.model.gathered);
 - each layer's kept set, from its forward to its backward (testbed.model.xla_tpu.layer_kept_bytes); the head's
-  norm input and logits, from the head's forward to its backward;
+  norm input and logits, from the head's forward to its backward; under XLA:TPU's kept residual summands (one
+  device, one sequence a microbatch, full remat: testbed.model.xla_tpu.keeps_residual_summands) each layer's two
+  summands from its forward to one fusion at the forward's end (the first layer's to the instruction before), which
+  writes the block inputs of the layers after the first, and the head's norm input from the last layer's forward;
 - the loss's fp32 buffer at the loss, one layer backward's workspace at each layer's backward;
 - the gradients, each block's written at its backward and held to the update (or written at the update where
   the memory model has none live before it), and the data reduction's buffer at the update.
@@ -32,7 +35,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from testbed.model import heap, layout
+from testbed.model import heap, layout, xla_tpu
 from testbed.model.activations import norms
 from testbed.model.blocks import narrowed
 from testbed.model.gathered import matmul_element_bytes
@@ -136,23 +139,31 @@ def buffer_kinds(plan: Plan, terms: StepTerms) -> tuple[tuple[heap.Buffer, str],
     the data reduction's buffer)."""
     layers = plan.stage_layers[0]
     ahead = plan.runtime.fsdp_prefetch
-    head_at, loss_at = layers + 1, layers + 2
-    update = 2 * layers + 5
+    summands = xla_tpu.keeps_residual_summands(plan)
+    fused = layers + 1  # the forward's end: under kept summands the fusion that writes the block inputs
+    head_at = layers + 1 + summands
+    loss_at = head_at + 1
+    update = 2 * layers + 5 + summands
     forward, backward = (lambda i: 1 + i), (lambda i: loss_at + 2 + layers - 1 - i)
     embed_w, layer_w, head_w, head_back = _gathered(plan)
     kept, work = _layer_buffers(plan, terms.per_layer, terms.layer)
     out = [(heap.Buffer(0, 0, s), "gathered") for s in embed_w]
     out += [(heap.Buffer(max(head_at - ahead, 0), head_at, s), "gathered") for s in head_w]
     out += [(heap.Buffer(loss_at, loss_at + 1, s), "gathered") for s in head_back]
-    out += [(heap.Buffer(head_at, loss_at + 1, s), "kept") for s in terms.head]
+    # Under kept summands the head's norm input is the last layer's output, written with it.
+    out += [(heap.Buffer(layers if summands and k == 0 else head_at, loss_at + 1, s), "kept")
+            for k, s in enumerate(terms.head)]
     out.append((heap.Buffer(loss_at, loss_at, terms.loss), "workspace"))
     grads_from = (lambda at: update) if terms.late_grads else (lambda at: at)
     out.append((heap.Buffer(grads_from(loss_at + 1), update, terms.head_grads), "gradients"))
     for i in range(layers):
         out += [(heap.Buffer(max(forward(i) - ahead, 0), forward(i), s), "gathered") for s in layer_w[i]]
         out += [(heap.Buffer(max(backward(i) - ahead, loss_at + 1), backward(i), s), "gathered") for s in layer_w[i]]
-        # The first kept buffer, the block's input (the residual stream), is the block before's output.
-        out += [(heap.Buffer(forward(i) - (k == 0), backward(i), s), "kept") for k, s in enumerate(kept)]
+        # The first kept buffer, the block's input (the residual stream), is the block before's output, or under
+        # kept summands the forward-end fusion's (layer 0's the embedding's); the summands live to that fusion.
+        first = fused if summands and i else forward(i) - 1
+        out += [(heap.Buffer(first if k == 0 else forward(i), backward(i), s), "kept") for k, s in enumerate(kept)]
+        out += [(heap.Buffer(forward(i), fused - (i == 0), _tensors(plan)["residual"]), "kept")] * 2 * summands
         out += [(heap.Buffer(backward(i), backward(i), s), "workspace") for s in work]
         out.append((heap.Buffer(grads_from(backward(i)), update, terms.layer_grads), "gradients"))
     out.append((heap.Buffer(update, update, terms.reduction), "gradients"))

@@ -8,7 +8,9 @@ runner's step compiled deviceless for ``v5e`` slices, ``benchmarks/memory_vs_xla
 
 - a layer keeps its norms' inputs, Q, K, V, the attention output, the MLP's input-matrix outputs (the activation
   function's output is recomputed), and without remat the attention probabilities (:func:`layer_kept_bytes`);
-  under full remat only the block input, no residual summands (the unrolled CPU step's extra); under sequence
+  under full remat only the block input at the loss, no residual summands (the unrolled CPU step's extra; with one
+  sequence on one device the summands are held through the forward instead, :func:`keeps_residual_summands`,
+  which moves the heap's gaps, not its live bytes); under sequence
   parallelism only the sequence shards: the column-parallel matmuls' inputs are gathered again in the backward
   (the records' extra tensor all-gathers; gpt2k-fsdp8-tensor8-sp's buffer assignment holds no whole
   ``[tokens, d_model]`` input at its peak);
@@ -51,7 +53,7 @@ from testbed.plan.spec import Attention, Plan, Remat
 
 __all__ = ["applies", "layer_kept_bytes", "kept_flash_bytes", "splash_copies_bytes", "scan_flash_fp32_bytes", "recompute_workspace_bytes",
            "parallel_branches", "attention_recompute_bytes", "head_kept_bytes", "head_kept_buffers", "loss_workspace_bytes",
-           "packed_merges"]
+           "keeps_residual_summands", "packed_merges"]
 
 
 def applies(plan: Plan, buffer_rules: str) -> bool:
@@ -139,6 +141,22 @@ def scan_flash_fp32_bytes(plan: Plan) -> int:
             or plan.remat is Remat.FULL:
         return 0
     return 2 * FLASH_BYTES * plan.microbatch_size * spec.seq_len * spec.q_dim // plan.mesh.tensor
+
+
+def keeps_residual_summands(plan: Plan) -> bool:
+    """Whether XLA:TPU keeps a full-remat forward's residual summands rather than its block inputs: one device, one
+    sequence a microbatch, full remat (no dots policy, serial blocks). Each layer's attention and MLP output
+    projections (``[tokens, d_model]`` each, the second outputs of the fusions that add them to the stream) are held
+    in HBM through the forward, and one fusion at the forward's end writes the block inputs of layers 1..L-1 from
+    them, beside its operands but the first layer's two (moved to VMEM ahead of it); the last layer's output, the
+    head's norm input, is written with the last layer. The block inputs' live bytes at the loss are the same; the
+    heap's gaps are not (testbed.model.step_heap lays them out). Read from the buffer assignments of
+    ho-llama500m-seq8192-full (benchmarks/tpu_chip/heldout/, 8 layers, 8,192 tokens) and of the same plan at 12
+    layers and at vocabularies 24,576 and 50,304, compiled deviceless for one v5e chip (libtpu 0.0.42.1); at two
+    sequences of 4,096 tokens (the same tensors) and on llama400m-bf16-full (eight sequences) XLA:TPU keeps each
+    block input as the forward writes it (docs/xla_tpu.md)."""
+    return (plan.mesh.size == 1 and plan.microbatch_size == 1 and plan.remat is Remat.FULL and not saves_dots(plan)
+            and not keeps_flash_under_full(plan) and not plan.model.parallel_block)
 
 
 def recompute_workspace_bytes(plan: Plan) -> int:
