@@ -85,7 +85,9 @@ def test_program_host_prices_a_saved_run_without_measuring(tmp_path, capsys) -> 
     assert bench.main(["--from-json", str(saved)]) == 0
     out = json.loads(capsys.readouterr().out)
     got = out["rows"]["vision_cnn"]
-    predicted = bench.predicted(bench._example("vision_cnn", sizes), mesh, load_topology("host-cpu-8"))
+    module = bench._example("vision_cnn", sizes)  # priced with its compiled step's transposing kernels
+    predicted = bench.predicted(module, mesh, load_topology("host-cpu-8"), bench.compiled_hlo(module, mesh))
+    assert predicted > bench.predicted(module, mesh, load_topology("host-cpu-8"))
     assert got["predicted_s"] == pytest.approx(predicted) and got["error"] == pytest.approx(predicted / 0.02 - 1)
     assert got["measured_at_calibrated_speed_s"] == pytest.approx(0.016 / 2)  # the reference now predicts half
     assert out["median_abs_error"] == out["max_abs_error"] == pytest.approx(abs(predicted / 0.02 - 1))
