@@ -59,3 +59,17 @@ def chip_predictions(paths: dict) -> dict[str, tuple[float, float]]:
 def worst(errors: dict[str, float], limit: float) -> list[str]:
     """The names whose error's magnitude passes ``limit``, sorted."""
     return sorted(p for p, e in errors.items() if abs(e) > limit)
+
+
+def sampled_plans(model: str, devices: int, count: int, seed: int) -> list:
+    """``count`` plans of a preset model drawn (seeded) from a search space of every schedule kind, microbatch count,
+    ZeRO stage and remat: the samples the play tests hold their exactness claims on."""
+    import random
+
+    from testbed.explore.space import SearchSpace, candidates, preset_plan
+
+    space = SearchSpace(schedules=("1f1b", "interleaved", "zb-h1"), microbatches=(1, 4, 8), zero=(0, 1, 3),
+                        remat=("none", "selective", "full"))
+    plans = list(candidates(preset_plan(model), devices, space))
+    random.Random(seed).shuffle(plans)
+    return plans[:count]

@@ -4,7 +4,6 @@ the floors of what it has left never passes the step the play ends at, and an es
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 
@@ -12,21 +11,13 @@ from testbed.explore.analytic import estimate
 from testbed.explore.prices import StepPrices
 from testbed.explore.play import Play
 from testbed.explore.play_floor import action_floors, stage_rests
-from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.plan.placement import place
 from testbed.sim.step.facts import step_facts, topology_rules
 from testbed.sim.step.step_rules import action_steps
 from testbed.sim.step.update_facts import update_seconds
 from testbed.topology.io import load_topology
 
-SPACE = SearchSpace(schedules=("1f1b", "interleaved", "zb-h1"), microbatches=(1, 4, 8), zero=(0, 1, 3),
-                    remat=("none", "selective", "full"))
-
-
-def _plans(model: str, devices: int, count: int, seed: int) -> list:
-    plans = list(candidates(preset_plan(model), devices, SPACE))
-    random.Random(seed).shuffle(plans)
-    return plans[:count]
+from helpers import sampled_plans
 
 
 def _bounds(plan, topology) -> tuple[list[float], float]:
@@ -49,7 +40,7 @@ def _bounds(plan, topology) -> tuple[list[float], float]:
                                                                  ("llama3-8b", "dgx-h100-x4", 32)])
 def test_play_floor_never_passes_the_step(model: str, topology_name: str, devices: int) -> None:
     topology = load_topology(topology_name)
-    for plan in _plans(model, devices, 10, 5):
+    for plan in sampled_plans(model, devices, 10, 5):
         bounds, step = _bounds(plan, topology)
         assert step == pytest.approx(estimate(plan, topology).step_time_s, rel=1e-12)
         assert max(bounds) <= step * (1 + 1e-12)
@@ -74,7 +65,7 @@ def test_play_floor_counts_the_update_left_after_fusion() -> None:
 
 def test_an_estimate_stops_only_above_its_bar() -> None:
     topology = load_topology("dgx-h100-x4@16")
-    for plan in _plans("gpt-1.3b", 16, 8, 11):
+    for plan in sampled_plans("gpt-1.3b", 16, 8, 11):
         whole = estimate(plan, topology)
         for bar in (0.5 * whole.step_time_s, 0.95 * whole.step_time_s, whole.step_time_s, math.inf):
             out = estimate(plan, topology, bar=bar)
@@ -93,7 +84,7 @@ def test_play_floor_counts_the_comm_slowdown_beside_gathers() -> None:
     topology = load_topology("dgx-h100-superpod@64")
     assert topology.device.comm_slowdown > 0
     plain = replace(topology, device=replace(topology.device, comm_slowdown=0.0))
-    plans = [p for p in _plans("llama3-8b", 64, 200, 7) if p.mesh.fsdp > 1][:6]
+    plans = [p for p in sampled_plans("llama3-8b", 64, 200, 7) if p.mesh.fsdp > 1][:6]
     assert plans
     slowed = 0
     for plan in plans:
@@ -111,7 +102,7 @@ def test_stage_rests_add_each_floor_in_the_schedules_order() -> None:
     """stage_rests' sums are the optimizer's compute plus each action's floor added one by one in the order played
     (the play takes them off one by one: the bounds it checks are those sums' own, to the bit)."""
     topology = load_topology("dgx-h100-x4")
-    for plan in _plans("llama3-8b", 32, 10, 7):
+    for plan in sampled_plans("llama3-8b", 32, 10, 7):
         ids = place(plan, topology).device_ids
         facts = step_facts(plan, ids, **topology_rules(topology))
         step = StepPrices(facts, topology, ids)

@@ -4,23 +4,14 @@ is played again."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from testbed.explore import analytic
 from testbed.explore.analytic import estimate
-from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.topology.io import load_topology
 
-SPACE = SearchSpace(schedules=("1f1b", "interleaved", "zb-h1"), microbatches=(1, 4, 8), zero=(0, 1, 3),
-                    remat=("none", "selective", "full"))
-
-
-def _plans(model: str, devices: int, count: int, seed: int) -> list:
-    plans = list(candidates(preset_plan(model), devices, SPACE))
-    random.Random(seed).shuffle(plans)
-    return plans[:count]
+from helpers import sampled_plans
 
 
 def _no_play(*_args, **_kwargs):
@@ -33,7 +24,7 @@ def test_a_stopped_play_answers_lower_bars_as_a_play_would(model: str, topology_
                                                             monkeypatch) -> None:
     topology = load_topology(topology_name)
     stopped = 0
-    for plan in _plans(model, devices, 8, 3):
+    for plan in sampled_plans(model, devices, 8, 3):
         whole = estimate(plan, topology).step_time_s
         high, lower = 0.95 * whole, [0.95 * whole, 0.9 * whole, 0.7 * whole, 0.4 * whole, 0.1 * whole]
         fresh = [estimate(plan, topology, bar=bar) for bar in lower]
