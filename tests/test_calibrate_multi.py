@@ -20,6 +20,8 @@ from testbed.cli import main
 from testbed.topology import LinkKind
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 
+from helpers import CHILD_XLA_FLAGS
+
 
 def test_benchmarks_cover_both_levels_and_keep_one_order() -> None:
     local, n = 4, 8
@@ -70,7 +72,7 @@ def test_two_process_quick_calibration_end_to_end(tmp_path: Path, capsys: pytest
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "testbed.cli", "calibrate", "--devices", "emulated:4", "--processes",
                           "2", "--quick", "--out", str(out), "--json"], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "XLA_FLAGS": ""})
+                         env={**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS})
     elapsed = time.monotonic() - start
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(run.stdout)
