@@ -26,15 +26,13 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from testbed.sim.xla.workload import CompiledTransposes, Workload
+from testbed.sim.xla.workload import CompiledTransposes, Workload, element_bytes
 
 __all__ = ["TransposePass", "Transposes", "compiled_transposes", "with_transposes"]
 
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?) ([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"^(\w+)\[([\d,]*)\](?:\{([\d,]*)[^}]*\})?$")
-_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-          "pred": 1, "s8": 1, "u8": 1}
 #: Ops that move elements without computing them.
 _MOVES = frozenset({"parameter", "copy", "transpose", "bitcast", "reshape", "slice", "dynamic-slice",
                     "dynamic-update-slice", "reverse", "broadcast", "constant", "tuple", "concatenate", "pad"})
@@ -212,7 +210,7 @@ def _strided(fused: list[_Instr], elements: int) -> tuple[int, int, int] | None:
         for param, (a, b) in found:
             if math.prod(param.dims) >= min(elements, math.prod(written.dims)) and abs(_offset(param, b) -
                                                                                       _offset(param, a)) != 1:
-                return result.dims[minor], abs(_offset(param, b) - _offset(param, a)), _BYTES.get(param.dtype, 4)
+                return result.dims[minor], abs(_offset(param, b) - _offset(param, a)), element_bytes(param.dtype)
     return None
 
 
@@ -288,7 +286,7 @@ def _kernel_tile(instr: _Instr, by: dict[str, _Instr], comps: dict
     if tile is None:
         return None
     elements = sum(math.prod(o.dims) for o in outputs)
-    return (float(sum(math.prod(o.dims) * _BYTES.get(o.dtype, 4) for o in outputs)), float(elements * tile[2]),
+    return (float(sum(math.prod(o.dims) * element_bytes(o.dtype) for o in outputs)), float(elements * tile[2]),
             tile[:2], all(i.opcode in _MOVES for i in fused))
 
 

@@ -31,8 +31,10 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 
 
 def element_bytes(element: str) -> int:
-    """Bytes of one element of a StableHLO element type (``bf16`` 2, ``f32`` 4, ``f8E4M3FN`` 1; a sub-byte type
-    or ``i1`` counts 1 byte, no type 4): the tracer's reading of a value's bytes."""
+    """Bytes of one element of a StableHLO or HLO element type (``bf16`` 2, ``f32`` 4, ``f8E4M3FN`` 1; a sub-byte
+    type, ``i1`` or HLO's ``pred`` counts 1 byte, no type 4): the tracer's reading of a value's bytes."""
+    if element == "pred":
+        return 1
     bits = re.search(r"(\d+)", element)
     return max(1, int(bits.group(1)) // 8) if bits else 4
 
