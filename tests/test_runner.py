@@ -127,6 +127,7 @@ def test_mesh_follows_placement() -> None:
 
 def test_device_errors_name_the_field() -> None:
     plan = _plan(data=2)
+    jax.devices()  # JAX started, with conftest's 8 devices, whichever test this worker ran first
     with pytest.raises(InputError) as bad:
         dev.parse_devices("gpu:3", plan.mesh.size)
     assert bad.value.field == "--devices"
