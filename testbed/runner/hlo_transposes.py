@@ -19,7 +19,7 @@ result's layouts are in memory). A kernel in a ``while`` body counts its known t
 multiply). Its bytes are those it writes (a dynamic-update-slice's update, in place), and as many elements of the
 strided operand read. One that only moves data is priced whole where the tracer priced none of it (a transpose folded
 into its consumer), beyond the plain pass where the tracer priced its bytes (it computes, or holds a ``reverse``, a
-slice, an update, a concatenation or a pad, each a memory-bound op of the tracer's fusion estimate).
+memory-bound op of the tracer's fusion estimate).
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ _ARRAY = re.compile(r"^(\w+)\[([\d,]*)\](?:\{([\d,]*)[^}]*\})?$")
 #: Ops that move elements without computing them.
 _MOVES = frozenset({"parameter", "copy", "transpose", "bitcast", "reshape", "slice", "dynamic-slice",
                     "dynamic-update-slice", "reverse", "broadcast", "constant", "tuple", "concatenate", "pad"})
-#: Of those, the ones the tracer's fusion estimate prices as a memory-bound op of their own (testbed.runner.program
-#: .compile: not among its pass-through ops, which a transpose, reshape, broadcast and bitcast are): a kernel holding
-#: one was priced there at the plain pass, its bytes and its kernel (the conv transpose rule's ``reverse`` of a
-#: weight, which XLA:CPU fuses into the weight's layout copy; a scan's update into its stacked buffer).
-_PRICED_MOVES = frozenset({"slice", "dynamic-slice", "dynamic-update-slice", "reverse", "concatenate", "pad"})
+#: Of those, the ones only the program itself holds, which the tracer's fusion estimate prices as a memory-bound op of
+#: their own (testbed.runner.program.compile: not among its pass-through ops): a kernel holding one was priced there at
+#: the plain pass, its bytes and its kernel. A ``reverse``: the conv transpose rule's of a weight, which XLA:CPU fuses
+#: into the weight's layout copy. Not the slices and concatenations XLA makes of a collective's buffers (XLA:CPU's
+#: all-to-all takes one operand per peer, sliced out of the traced buffer in a layout copy), which the tracer never saw.
+_PRICED_MOVES = frozenset({"reverse"})
 #: Ops whose result element ``i`` is computed from element ``i`` of each operand of the same shape.
 _ELEMENTWISE = frozenset({
     "abs", "add", "and", "atan2", "cbrt", "ceil", "clamp", "compare", "convert", "copy", "cosine", "divide", "exp",

@@ -116,7 +116,7 @@ class CompiledTransposes:
     XLA:CPU's compiled HLO), per step: ``moved_bytes`` (read and written) and ``kernels`` (executions) of those that
     only move data, which the fusion estimate prices as free (a transpose folded into its consumer); ``fused_bytes``
     of those whose bytes the fusion estimate prices as a plain pass (they also compute, or hold a move the tracer
-    prices: a ``reverse``, a slice, an update)."""
+    prices: a weight's ``reverse``)."""
 
     moved_bytes: float = 0.0
     kernels: int = 0
