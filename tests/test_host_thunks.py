@@ -68,3 +68,14 @@ def test_matmul_thunks_have_their_flops_and_kind() -> None:
     rates = kernel_rates({"ynn_fusion": 2e-3, "convolution.2": 1e-3}, {"ynn_fusion": 1.0, "convolution.2": 1.0},
                          CONVOLUTIONS)
     assert rates["conv:ynn"]["flop_s"] == convs["ynn_fusion"][0] / 2e-3 and rates["conv:eigen"]["thunks"] == 1
+
+
+def test_the_split_recovers_how_far_each_part_of_the_price_is() -> None:
+    """benchmarks/heldout_split.py: steps measured at half their matmul price and twice the rest give 0.5 and 2."""
+    from heldout_split import split
+
+    priced = {n: {"matmul_s": m, "rest_s": r} for n, m, r in (("p", 0.03, 0.01), ("q", 0.01, 0.02), ("r", 0.02, 0.02))}
+    rows = {n: {"measured_at_calibrated_speed_s": 0.5 * p["matmul_s"] + 2.0 * p["rest_s"]} for n, p in priced.items()}
+    out = split(rows, priced)
+    assert abs(out["a"] - 0.5) < 1e-9 and abs(out["b"] - 2.0) < 1e-9
+    assert abs(out["programs"]["q"]["split_s"] - 0.045) < 1e-12
