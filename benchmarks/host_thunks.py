@@ -20,8 +20,10 @@ which takes up the host's sharing and any other load, so the compute classes' ra
 are what a run under load keeps. The traced tier's side, ``priced_on_the_step_s``: its priced seconds of matmul
 tasks (``dots``), memory-bound tasks (``memory``, each with its kernels' ``compute.kernel_s``) and collectives, the
 compute times the host's sharing for the devices computing at once (``n / host.throughput[n]``), as the step plays
-them; it prices a transpose as free. ``what_if`` (:func:`what_if`): how much of each held-out miss (``--results``)
-the transposing thunks hold; the summary reads the 8-device rows, as the held-out goal does.
+them; it prices a transpose as free. ``kernel_rates``: the matmul thunks' FLOP rates by kind, convolutions apart
+from dots and YNNPACK fusions apart from Eigen thunks (:func:`thunk_flops`), beside ``priced_flop_s``, the rate the
+traced tier prices a large matmul or convolution at. ``what_if`` (:func:`what_if`): how much of each held-out miss
+(``--results``) the transposing thunks hold; the summary reads the 8-device rows, as the held-out goal does.
 
 Prints ONE JSON object; the load average before and after.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -75,10 +78,56 @@ def classes(text: str) -> dict[str, str]:
     return out
 
 
-def profiled(timer, steps: int, devices: int) -> tuple[dict[str, float], list[float]]:
+def thunk_flops(text: str) -> dict[str, tuple[float, str]]:
+    """Each matmul thunk of the compiled step (by name) -> (its FLOPs per execution, its kind): ``conv`` or ``dot``
+    and where XLA:CPU runs it, ``ynn`` (a YNNPACK fusion) or ``eigen`` (a ``dot`` or ``convolution`` thunk, or a loop
+    fusion holding one). A convolution's FLOPs: 2 x its output's elements x its kernel's elements over the kernel's
+    output features (``dim_labels``' ``o``); a dot's: 2 x its output's elements x its left operand's contracting
+    dims."""
+    comps, _ = _computations(text)
+    by = {comp: {i[0]: i for i in body} for comp, body in comps.items()}
+    called = {c for body in comps.values() for i in body for c in re.findall(r"calls=%([\w.\-]+)", i[5])}
+    out = {}
+    for comp, body in ((c, b) for c, b in comps.items() if c not in called):  # a fusion's body holds no thunk
+        for name, dtype, dims, layout, opcode, rest in body:
+            fused = re.search(r"calls=%([\w.\-]+)", rest)
+            inner = comps.get(fused.group(1), ()) if fused else [(name, dtype, dims, layout, opcode, rest)]
+            scope = by.get(fused.group(1), {}) if fused else by[comp]
+            flops, kinds = 0.0, set()
+            for _, _, out_dims, _, op, args in inner:
+                operands = [scope.get(o) for o in re.findall(r"%([\w.\-]+)", args.split(")")[0])]
+                if op == "convolution" and len(operands) > 1 and operands[1] is not None:
+                    labels = re.search(r"dim_labels=\w+_(\w+)->", args).group(1)
+                    window = math.prod(d for d, c in zip(operands[1][2], labels) if c != "o")
+                    flops, kinds = flops + 2.0 * math.prod(out_dims) * window, kinds | {"conv"}
+                elif op == "dot" and operands and operands[0] is not None:
+                    contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", args).group(1)
+                    depth = math.prod(operands[0][2][int(c)] for c in contracted.split(",") if c)
+                    flops, kinds = flops + 2.0 * math.prod(out_dims) * depth, kinds | {"dot"}
+            if flops:
+                out[name] = (flops, "+".join(sorted(kinds)) + (":ynn" if "__ynn_fusion" in rest else ":eigen"))
+    return out
+
+
+def kernel_rates(thunks: dict[str, float], executions: dict[str, float], text: str) -> dict[str, dict]:
+    """The matmul thunks' FLOP rates by kind (:func:`thunk_flops`): per kind their FLOPs and seconds per device and
+    step (``thunks`` and ``executions``: :func:`profiled`'s), the thunks, and FLOPs per second."""
+    rates: dict[str, dict] = {}
+    for name, (flops, kind) in thunk_flops(text).items():
+        if thunks.get(name, 0.0) > 0:
+            row = rates.setdefault(kind, {"flops": 0.0, "seconds": 0.0, "thunks": 0})
+            row["flops"] += flops * executions[name]
+            row["seconds"] += thunks[name]
+            row["thunks"] += 1
+    for row in rates.values():
+        row["flop_s"] = row["flops"] / row["seconds"]
+    return rates
+
+
+def profiled(timer, steps: int, devices: int) -> tuple[dict[str, float], list[float], dict[str, float]]:
     """Per thunk (event name) its seconds per device and step: the 10th percentile of its durations over ``steps``
-    traced steps times its executions per device and step (a while body's thunks run once per iteration); and the
-    steps' times."""
+    traced steps times its executions per device and step (a while body's thunks run once per iteration); the
+    steps' times; per thunk its executions per device and step."""
     import jax
     from jax.profiler import ProfileData
 
@@ -94,7 +143,8 @@ def profiled(timer, steps: int, devices: int) -> tuple[dict[str, float], list[fl
                 for event in line.events:
                     if not _NOT_THUNKS.match(event.name):
                         durations[event.name].append(event.duration_ns * 1e-9)
-    return {name: sorted(d)[len(d) // 10] * len(d) / (steps * devices) for name, d in durations.items()}, times
+    runs = {name: len(d) / (steps * devices) for name, d in durations.items()}
+    return {name: sorted(d)[len(d) // 10] * runs[name] for name, d in durations.items()}, times, runs
 
 
 def program_row(name: str, devices, topology, steps: int, measured: dict) -> dict:
@@ -106,7 +156,7 @@ def program_row(name: str, devices, topology, steps: int, measured: dict) -> dic
     devices = devices[:1] if one else devices
     case = ph.prepared(program, devices, topology, {"data": 1} if one else None)
     case["timer"].round(3)
-    thunks, times = profiled(case["timer"], steps, len(devices))
+    thunks, times, runs = profiled(case["timer"], steps, len(devices))
     kinds = classes(case["trainer"].hlo_text())
     seconds: dict[str, float] = defaultdict(float)
     for thunk, s in thunks.items():  # a tuple-shaped collective (a combined all-reduce) is known by its name
@@ -121,10 +171,22 @@ def program_row(name: str, devices, topology, steps: int, measured: dict) -> dic
                                     "memory": share * price.get("memory_bound_tasks_s", 0.0),
                                     "collectives": sum(v for k, v in price.items() if k.endswith("_s") and k not in
                                                        ("step_s", "matmul_tasks_s", "memory_bound_tasks_s"))},
-           "kernels_priced": price.get("kernels")}
+           "kernels_priced": price.get("kernels"),
+           "kernel_rates": kernel_rates(thunks, runs, case["trainer"].hlo_text()),
+           "priced_flop_s": priced_rate(topology)}
     if name in measured:
         row["what_if"] = what_if(row, measured[name])
     return row
+
+
+def priced_rate(topology) -> float:
+    """The FLOP rate the traced tier prices a large fp32 matmul or convolution at on a device alone (its kernels'
+    cap of the fp32 peak, testbed.sim.graph.traced.traced_topology; without a GEMM shape model every matmul and
+    convolution approaches it as its FLOPs grow)."""
+    from testbed.sim.graph.traced import traced_topology
+
+    traced = traced_topology(topology)
+    return traced.device.sustained_flops("fp32") * traced.calibration.compute.cap("fp32")
 
 
 def what_if(row: dict, held: dict) -> dict:

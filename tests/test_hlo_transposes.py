@@ -84,6 +84,57 @@ def test_copies_that_undo_each_other_move_nothing() -> None:
     assert moved.compiled() == CompiledTransposes(moved_bytes=2 * 8.0 * 64 * 32, kernels=2, fused_bytes=0.0)
 
 
+#: A weight's layout copy that also reverses its window (XLA:CPU's fusion of the conv transpose rule's ``rev``), and
+#: the same copy without the reverse.
+_REVERSED = """HloModule m, entry_computation_layout={(f32[3,3,32,16]{3,2,1,0})->f32[3,3,16,32]{3,2,1,0}}
+
+%flipped (p0: f32[3,3,32,16]) -> f32[3,3,16,32] {
+  %p0 = f32[3,3,32,16]{3,2,1,0} parameter(0)
+  %rev = f32[3,3,32,16]{3,2,1,0} reverse(%p0), dimensions={0,1}
+  %t = f32[3,3,16,32]{2,3,1,0} transpose(%rev), dimensions={0,1,3,2}
+  ROOT %copy.1 = f32[3,3,16,32]{3,2,1,0} copy(%t)
+}
+
+%plain (p0: f32[3,3,32,16]) -> f32[3,3,16,32] {
+  %p0 = f32[3,3,32,16]{3,2,1,0} parameter(0)
+  %t = f32[3,3,16,32]{2,3,1,0} transpose(%p0), dimensions={0,1,3,2}
+  ROOT %copy.2 = f32[3,3,16,32]{3,2,1,0} copy(%t)
+}
+
+ENTRY %main (w: f32[3,3,32,16]) -> (f32[3,3,16,32], f32[3,3,16,32]) {
+  %w = f32[3,3,32,16]{3,2,1,0} parameter(0)
+  %a = f32[3,3,16,32]{3,2,1,0} fusion(%w), kind=kLoop, calls=%flipped
+  %b = f32[3,3,16,32]{3,2,1,0} fusion(%w), kind=kLoop, calls=%plain
+  ROOT %out = (f32[3,3,16,32]{3,2,1,0}, f32[3,3,16,32]{3,2,1,0}) tuple(%a, %b)
+}
+"""
+
+
+def test_a_copy_holding_a_move_the_tracer_prices_is_priced_beyond_its_plain_pass() -> None:
+    """The tracer prices a ``reverse`` as a memory-bound op (its bytes, a kernel): a layout copy that also reverses
+    (XLA:CPU fusing the conv transpose rule's ``rev`` of a weight into its layout copy) pays only what the transposing
+    pass costs beyond that, as a kernel that computes; the same copy without the reverse, priced as free by the
+    tracer, pays it whole and is a kernel of its own."""
+    moved = compiled_transposes(_REVERSED)
+    assert [(p.name, p.moves_only) for p in moved.passes] == [("a", False), ("b", True)]
+    nbytes = 2 * 4.0 * 3 * 3 * 32 * 16
+    assert moved.compiled() == CompiledTransposes(moved_bytes=nbytes, kernels=1, fused_bytes=nbytes)
+
+
+def test_a_convolutions_weight_reverse_is_priced_once() -> None:
+    """The input gradient of a convolution reads its weight reversed and transposed; XLA:CPU writes that in one layout
+    copy, whose reverse the tracer priced already: no such copy counts as a kernel that only moves data."""
+    def grad(x, w):
+        def loss(x):
+            y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return jnp.sum(y * y)
+        return jax.grad(loss)(x)
+
+    moved = compiled_transposes(_hlo(grad, (2, 8, 8, 16), (3, 3, 16, 32)))
+    weights = [p for p in moved.passes if p.bytes == 4.0 * 3 * 3 * 16 * 32]
+    assert weights and not any(p.moves_only for p in weights)
+
+
 def _workload(transposes: CompiledTransposes | None) -> Workload:
     ops = (TracedOp(name="scale", kind=OpKind.MEMORY, hbm_bytes=1e6),)
     return Workload(name="t", mesh={"data": 8}, ops=ops, transposes=transposes)

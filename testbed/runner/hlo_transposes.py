@@ -17,7 +17,9 @@ written minor dimension, moves by more than one element. Copies inside a fusion 
 (XLA:CPU's loop emitter computes each written element from its operands' indices: only the operands' and the
 result's layouts are in memory). A kernel in a ``while`` body counts its known trip count times (nested loops
 multiply). Its bytes are those it writes (a dynamic-update-slice's update, in place), and as many elements of the
-strided operand read.
+strided operand read. One that only moves data is priced whole where the tracer priced none of it (a transpose folded
+into its consumer), beyond the plain pass where the tracer priced its bytes (it computes, or holds a ``reverse``, a
+memory-bound op of the tracer's fusion estimate).
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ _ARRAY = re.compile(r"^(\w+)\[([\d,]*)\](?:\{([\d,]*)[^}]*\})?$")
 #: Ops that move elements without computing them.
 _MOVES = frozenset({"parameter", "copy", "transpose", "bitcast", "reshape", "slice", "dynamic-slice",
                     "dynamic-update-slice", "reverse", "broadcast", "constant", "tuple", "concatenate", "pad"})
+#: Of those, the ones only the program itself holds, which the tracer's fusion estimate prices as a memory-bound op of
+#: their own (testbed.runner.program.compile: not among its pass-through ops): a kernel holding one was priced there at
+#: the plain pass, its bytes and its kernel. A ``reverse``: the conv transpose rule's of a weight, which XLA:CPU fuses
+#: into the weight's layout copy. Not the slices and concatenations XLA makes of a collective's buffers (XLA:CPU's
+#: all-to-all takes one operand per peer, sliced out of the traced buffer in a layout copy), which the tracer never saw.
+_PRICED_MOVES = frozenset({"reverse"})
 #: Ops whose result element ``i`` is computed from element ``i`` of each operand of the same shape.
 _ELEMENTWISE = frozenset({
     "abs", "add", "and", "atan2", "cbrt", "ceil", "clamp", "compare", "convert", "copy", "cosine", "divide", "exp",
@@ -62,8 +70,9 @@ class TransposePass:
     """One transposing kernel of the compiled step: ``name``, the ``bytes`` it writes and the ``read_bytes`` of its
     strided operand it reads per execution (as many elements, in that operand's type), ``count`` executions per step
     (loop trip counts), ``minor``: the size of its result's minor dimension and the stride (elements) of its strided
-    read; ``moves_only``: its fused computation only moves data (copies, transposes,
-    bitcasts, slices, updates: no arithmetic, no conversion), so the fusion estimate prices none of its bytes."""
+    read; ``moves_only``: its fused computation only moves data (copies, transposes, bitcasts: no arithmetic, no
+    conversion) and holds no move the fusion estimate prices (:data:`_PRICED_MOVES`), so the fusion estimate prices
+    none of its bytes; a kernel that computes, or holds such a move, had its bytes priced there at the plain pass."""
 
     name: str
     bytes: float
@@ -94,8 +103,9 @@ class Transposes:
         return sum((p.bytes + p.read_bytes) * p.count for p in self.passes)
 
     def compiled(self) -> CompiledTransposes:
-        """The workload's summary of them: bytes and executions of the kernels that only move data, bytes of those
-        that also compute."""
+        """The workload's summary of them: bytes and executions of the kernels the fusion estimate prices as free
+        (``moves_only``), bytes of those whose bytes it prices at the plain pass (they compute, or hold a move it
+        prices)."""
         moves = [p for p in self.passes if p.moves_only]
         return CompiledTransposes(moved_bytes=Transposes(passes=tuple(moves)).moved_bytes,
                                   kernels=sum(p.count for p in moves),
@@ -287,7 +297,7 @@ def _kernel_tile(instr: _Instr, by: dict[str, _Instr], comps: dict
         return None
     elements = sum(math.prod(o.dims) for o in outputs)
     return (float(sum(math.prod(o.dims) * element_bytes(o.dtype) for o in outputs)), float(elements * tile[2]),
-            tile[:2], all(i.opcode in _MOVES for i in fused))
+            tile[:2], all(i.opcode in _MOVES and i.opcode not in _PRICED_MOVES for i in fused))
 
 
 def _written(result: _Instr, by: dict[str, _Instr]) -> _Instr:

@@ -120,10 +120,11 @@ def _transposes_task(graph: "_Segments", workload: Workload, topology: Topology)
 
 def transpose_bytes(workload: Workload, topology: Topology) -> float:
     """The memory stream's bytes whose time the compiled step's transposing kernels take (0: none read, or no
-    transposing pass measured): a kernel that only moves data reads and writes its bytes at the transposing pass's
-    rate (``memory.transpose_efficiency`` of the peak), which the fusion estimate priced as free; one that also
-    computes pays that rate less the plain pass it was priced at (``memory.efficiency``). A kernel that only moves
-    data is also a kernel of its own (``compute.kernel_s`` each, testbed.sim.graph.traced.price_workload)."""
+    transposing pass measured): a kernel that only moves data the fusion estimate priced as free reads and writes its
+    bytes at the transposing pass's rate (``memory.transpose_efficiency`` of the peak); one whose bytes it priced at
+    the plain pass (``memory.efficiency``: the kernel also computes, or holds a move the tracer prices, a weight's
+    ``reverse``) pays that rate less the plain pass. A kernel the fusion estimate priced as free is also a kernel of
+    its own (``compute.kernel_s`` each, testbed.sim.graph.traced.price_workload)."""
     memory, found = topology.calibration.memory, workload.transposes
     if found is None or memory.transpose_efficiency <= 0:
         return 0.0

@@ -115,7 +115,8 @@ class CompiledTransposes:
     """The transposing kernels of one device's step as its compiler wrote them (testbed.runner.hlo_transposes reads
     XLA:CPU's compiled HLO), per step: ``moved_bytes`` (read and written) and ``kernels`` (executions) of those that
     only move data, which the fusion estimate prices as free (a transpose folded into its consumer); ``fused_bytes``
-    of those that also compute, whose elementwise work the fusion estimate prices as a plain pass."""
+    of those whose bytes the fusion estimate prices as a plain pass (they also compute, or hold a move the tracer
+    prices: a weight's ``reverse``)."""
 
     moved_bytes: float = 0.0
     kernels: int = 0
