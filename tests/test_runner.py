@@ -74,6 +74,11 @@ def test_random_plans_on_8_devices_match_reference(plan: Plan) -> None:
     _assert_ok(verify_plan(plan, dev.select_devices(8), steps=2, check_hlo=False))
 
 
+#: The fixed plans' model: two layers (one a stage at stage 2) hold every property they check, and each compile
+#: is about a third cheaper than at the drawn plans' four.
+PAIR = replace(MODEL, layers=2)
+
+
 @pytest.mark.parametrize("degrees", [
     dict(),                                   # 1 device: the runner's path equals the reference exactly
     dict(data=2, microbatches=2, precision="bf16-mixed"),
@@ -82,12 +87,12 @@ def test_random_plans_on_8_devices_match_reference(plan: Plan) -> None:
     dict(data=3, stage=2, microbatches=2),    # 6 devices
     dict(fsdp=2, tensor=2, remat="selective", recompute="save-dots", precision="bf16-mixed"),
     dict(stage=2, microbatches=2, remat="selective", recompute="save-dots-flash",
-         model=replace(MODEL, attention="flash", attention_block=4)),
+         model=replace(PAIR, attention="flash", attention_block=4)),
     dict(fsdp=2, remat="full", recompute="save-flash", precision="bf16-mixed",
-         model=replace(MODEL, attention="flash", attention_block=4)),
+         model=replace(PAIR, attention="flash", attention_block=4)),
 ], ids=["1", "2", "3", "4", "6", "4-save-dots", "2-stages-save-dots-flash", "2-save-flash"])
 def test_device_counts(degrees: dict) -> None:
-    plan = _plan(**degrees)
+    plan = _plan(**{"model": PAIR, **degrees})
     n = plan.mesh.size
     check_hlo = n == 4
     result = verify_plan(plan, dev.select_devices(n), steps=2, check_hlo=check_hlo)
