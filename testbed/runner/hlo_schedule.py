@@ -134,7 +134,7 @@ def computations(text: str) -> dict[str, Computation]:
     return out
 
 
-def _trip_count(line: str, comps: dict[str, Computation], condition: str | None) -> int:
+def trip_count(line: str, comps: dict[str, Computation], condition: str | None) -> int:
     """A while loop's trip count: its known_trip_count, else the one integer constant of its condition, else 1."""
     known = _TRIP.search(line)
     if known:
@@ -149,7 +149,7 @@ def _trip_count(line: str, comps: dict[str, Computation], condition: str | None)
 def _callees(line: str, comps: dict[str, Computation]) -> Iterator[tuple[str, int]]:
     """(computation called, times per execution of ``line``) for each computation the instruction calls."""
     found = dict((role, callee) for role, callee in _CALLEES.findall(line))
-    trips = _trip_count(line, comps, found.get("condition")) if "body" in found else 1
+    trips = trip_count(line, comps, found.get("condition")) if "body" in found else 1
     for role, callee in found.items():
         yield callee, trips if role in ("body", "condition") else 1
     branches = _BRANCHES.search(line)

@@ -28,6 +28,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from testbed.runner import hlo_schedule
 from testbed.sim.xla.workload import CompiledTransposes, Workload, element_bytes
 
 __all__ = ["TransposePass", "Transposes", "compiled_transposes", "with_transposes"]
@@ -243,16 +244,18 @@ def compiled_transposes(text: str) -> Transposes:
     """The transposing kernels of one device's compiled step (module docstring): ``text`` is the optimized HLO of an
     SPMD-partitioned program (every device runs it)."""
     comps, entry = _parse(text)
+    schedule_comps = hlo_schedule.computations(text)
     found: list[TransposePass] = []
 
     def walk(name: str, times: int, seen: tuple[str, ...]) -> None:
         by = {i.name: i for i in comps.get(name, ())}
         for instr in comps.get(name, ()):
             if instr.opcode == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
                 body = re.search(r"body=%([\w.\-]+)", instr.attrs)
+                condition = re.search(r"condition=%([\w.\-]+)", instr.attrs)
+                trips = hlo_schedule.trip_count(instr.attrs, schedule_comps, condition and condition.group(1))
                 if body and body.group(1) not in seen:
-                    walk(body.group(1), times * (int(trips.group(1)) if trips else 1), seen + (name,))
+                    walk(body.group(1), times * trips, seen + (name,))
                 continue
             if instr.opcode == "conditional":
                 for branch in re.findall(r"%([\w.\-]+)", instr.attrs.split("branch_computations=")[-1].split("}")[0]):
