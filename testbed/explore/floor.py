@@ -19,8 +19,7 @@ from testbed.model.gemm import ChunkGemms, scaled
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import dispatch_bytes, moe_layers, sequence_dispatch
 from testbed.model.spans import action_spans, scaled_spans
-from testbed.pipeline.schedules import (Schedule, build_schedule, dependency_keys, execution_order,
-                                        peak_inflight, splits_backward)
+from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys, peak_inflight, splits_backward
 from testbed.explore.stage_collectives import StageCollectives
 from testbed.plan.placement import place
 from testbed.plan.sharding import gathers_parameters, state_sharding
@@ -32,6 +31,7 @@ from testbed.sim.step.chunk_facts import MATMULS_PER_LAYER
 from testbed.sim.price.compute import compute_seconds
 from testbed.sim.xla.xla_tpu import narrows_gathers, sequence_gather_bytes
 from testbed.sim.step.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms
+from testbed.sim.step.memo import cached_execution
 from testbed.topology import Topology
 
 __all__ = ["step_floor", "placed_floor", "played_floor", "played_at", "cached_played_at", "stage_floors", "combined", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
@@ -233,19 +233,18 @@ def played_at(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
 @functools.lru_cache(maxsize=4096)
 def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, tuple[int, str]], ...],
                                                               tuple[tuple[int, int, tuple[int, ...]], ...]]:
-    """The schedule's execution order (testbed.pipeline.schedules.execution_order of :func:`cached_table`, as
-    testbed.sim.step.memo.cached_order orders it) as :func:`_played_floor` plays it: its actions' distinct
-    ``(stage, (chunk, kind))``, and per action its stage, the position of its own among those and the positions in
+    """The schedule's execution order (testbed.sim.step.memo.cached_execution, as testbed.sim.step.memo.cached_order
+    orders it) as :func:`_played_floor` plays it: its actions' distinct ``(stage, (chunk, kind))``, and per action its stage, the position of its own among those and the positions in
     the order of every action it waits for on other stages (testbed.pipeline.schedules.dependency_keys, whose
     other stages' keys are testbed.sim.step.memo.Waits' ``receives``: a send arrives no earlier than its sender ends;
     each before it: the order puts dependencies first). Its own stage's are left out: each ended by the time its
-    stage is free. Built from the table alone, without the order's :class:`~testbed.sim.step.memo.Waits`, which
-    only the plans estimated need."""
-    schedule = cached_table(name, p, m, v)
+    stage is free. Built from the execution order alone, without the order's :class:`~testbed.sim.step.memo.Waits`,
+    which only the plans estimated need."""
+    schedule, executed = cached_execution(name, p, m, v)
     at: dict[tuple, int] = {}  # an action's key -> its position
     keys: dict[tuple[int, tuple[int, str]], int] = {}
     out = []
-    for i, (s, a) in enumerate(execution_order(schedule)):
+    for i, (s, a) in enumerate(executed):
         k = keys.setdefault((s, (a.chunk, a.kind)), len(keys))
         deps = dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)
         out.append((s, k, tuple(at[key] for key in deps if key[0] != s)))
