@@ -34,8 +34,8 @@ from testbed.sim.step.facts import BUCKETS, accumulate_bytes, cached_chunk_cost,
 from testbed.sim.step.memo import cached_execution
 from testbed.topology import Topology
 
-__all__ = ["step_floor", "placed_floor", "played_floor", "played_at", "cached_played_at", "stage_floors", "combined", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
-           "cached_peaks"]
+__all__ = ["step_floor", "placed_floor", "played_floor", "played_at", "cached_played_at", "stage_floors", "combined",
+           "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table", "cached_peaks"]
 
 
 def step_floor(plan: Plan, topology: Topology) -> float | None:
@@ -234,12 +234,12 @@ def played_at(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
 def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, tuple[int, str]], ...],
                                                               tuple[tuple[int, int, tuple[int, ...]], ...]]:
     """The schedule's execution order (testbed.sim.step.memo.cached_execution, as testbed.sim.step.memo.cached_order
-    orders it) as :func:`_played_floor` plays it: its actions' distinct ``(stage, (chunk, kind))``, and per action its stage, the position of its own among those and the positions in
-    the order of every action it waits for on other stages (testbed.pipeline.schedules.dependency_keys, whose
-    other stages' keys are testbed.sim.step.memo.Waits' ``receives``: a send arrives no earlier than its sender ends;
-    each before it: the order puts dependencies first). Its own stage's are left out: each ended by the time its
-    stage is free. Built from the execution order alone, without the order's :class:`~testbed.sim.step.memo.Waits`,
-    which only the plans estimated need."""
+    orders it) as :func:`_played_floor` plays it: its actions' distinct ``(stage, (chunk, kind))``, and per action
+    its stage, the position of its own among those and the positions in the order of every action it waits for on
+    other stages (testbed.pipeline.schedules.dependency_keys, whose other stages' keys are testbed.sim.step.memo.Waits'
+    ``receives``: a send arrives no earlier than its sender ends; each before it: the order puts dependencies first).
+    Its own stage's are left out: each ended by the time its stage is free. Built from the execution order alone,
+    without the order's :class:`~testbed.sim.step.memo.Waits`, which only the plans estimated need."""
     schedule, executed = cached_execution(name, p, m, v)
     at: dict[tuple, int] = {}  # an action's key -> its position
     keys: dict[tuple[int, tuple[int, str]], int] = {}

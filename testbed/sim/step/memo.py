@@ -15,8 +15,8 @@ from testbed.model.gemm import ChunkGemms, chunk_gemms
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
 from testbed.plan.spec import Plan
 
-__all__ = ["ActionKey", "Waits", "waits", "OrderedAction", "cached_execution", "cached_order", "cached_chunk_cost", "cached_chunk_gemms",
-           "order_of"]
+__all__ = ["ActionKey", "Waits", "waits", "OrderedAction", "cached_execution", "cached_order", "cached_chunk_cost",
+           "cached_chunk_gemms", "order_of"]
 
 #: An action's key: (stage, kind, microbatch, chunk).
 ActionKey = tuple[int, str, int, int]
