@@ -252,6 +252,10 @@ def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, tu
     return tuple(keys), tuple(out)
 
 
+#: Plans' stage floors :func:`stage_floors` keeps (per topology), the latest.
+STAGE_FLOORS_KEPT = 4096
+
+
 def stage_floors(plan: Plan, topology: Topology, computes: list | None = None
                   ) -> list[dict[tuple[int, str], float]] | None:
     """Per stage, each ``(chunk, kind)`` action's floor seconds (its compute, :func:`_action_floor`, and its
@@ -259,14 +263,14 @@ def stage_floors(plan: Plan, topology: Topology, computes: list | None = None
     Stages alike in layers, embedding and head share one dict. ``computes``, when given, gets per stage the same
     floors less their tensor collectives' (an MoE chain's all-to-alls stay in). Memoized per topology on
     :func:`floor_key` (what the step, played, placed and slowed floors built from them read of the plan, and what
-    each of their memos keys on), so those floors of one plan price its actions once; the dicts are shared:
-    read them, never change them."""
+    each of their memos keys on), the latest :data:`STAGE_FLOORS_KEPT` keys, so the floors the search takes of one
+    plan one after another price its actions once; the dicts are shared: read them, never change them."""
     memo = topology_memo(topology).setdefault("stage_floors", {})
     key = floor_key(plan)
     hit = memo.get(key, memo)
     if hit is memo:
-        if len(memo) > 100_000:
-            memo.clear()
+        if len(memo) >= STAGE_FLOORS_KEPT:  # the oldest (a few KB each)
+            del memo[next(iter(memo))]
         alone: list[dict[tuple[int, str], float]] = []
         hit = memo[key] = (_stage_floors(plan, topology, alone), tuple(alone))
     if computes is not None and hit[0] is not None:
