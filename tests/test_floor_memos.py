@@ -1,13 +1,16 @@
 """The played floor's play (testbed.explore.floor.played_at) and its memo: the schedule's dependency order played at
 each stage's floors, to the bit as the plain play of testbed.sim.step.memo.cached_order, and memoized on what it
-reads (plans alike in order and floors share one play; others do not)."""
+reads (plans alike in order and floors share one play; others do not). The stage floors' memo on
+testbed.explore.floor.floor_key: each plan's floors, and the computes beside them, those priced afresh for it."""
 
 from __future__ import annotations
 
 import random
 
 from testbed.collectives.routed import topology_memo
-from testbed.explore.floor import played_at, played_floor, stage_floors
+from helpers import sampled_plans
+
+from testbed.explore.floor import _stage_floors, floor_key, played_at, played_floor, stage_floors
 from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.sim.step.memo import cached_order
 from testbed.topology.io import load_topology
@@ -48,3 +51,17 @@ def test_the_played_floor_memo_keys_on_order_and_floors() -> None:
                                                  plan.schedule.virtual_stages)
                    and k[4] == tuple(tuple(c.items()) for c in stage_floors(plan, topology)))
         assert memo[key] == want
+
+
+def test_the_stage_floors_memo_returns_each_plans_own_floors() -> None:
+    # Plans sharing a floor_key (ZeRO stages and data/fsdp splits alike in what the floors read) meet one entry:
+    # each must get what its own pricing gives, to the bit, computes too.
+    for topology in (load_topology("dgx-h100-x4"), load_topology("tpu-v5e-16x16")):
+        plans = sampled_plans("llama3-8b", 32, 160, 14)
+        assert len({floor_key(p) for p in plans}) < len(plans)  # the sample holds plans sharing a key
+        for plan in plans:
+            computes: list = []
+            got = stage_floors(plan, topology, computes)
+            fresh: list = []
+            assert got == _stage_floors(plan, topology, fresh)
+            assert computes == (fresh if got is not None else [])

@@ -19,7 +19,7 @@ from testbed.model.gemm import ChunkGemms, scaled
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import dispatch_bytes, moe_layers, sequence_dispatch
 from testbed.model.spans import action_spans, scaled_spans
-from testbed.pipeline.schedules import Schedule, build_schedule, peak_inflight, splits_backward
+from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys, peak_inflight, splits_backward
 from testbed.explore.stage_collectives import StageCollectives
 from testbed.plan.placement import place
 from testbed.plan.sharding import gathers_parameters, state_sharding
@@ -30,11 +30,12 @@ from testbed.sim.step.action_work import action_work
 from testbed.sim.step.chunk_facts import MATMULS_PER_LAYER
 from testbed.sim.price.compute import compute_seconds
 from testbed.sim.xla.xla_tpu import narrows_gathers, sequence_gather_bytes
-from testbed.sim.step.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms, cached_order
+from testbed.sim.step.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms
+from testbed.sim.step.memo import cached_execution
 from testbed.topology import Topology
 
-__all__ = ["step_floor", "placed_floor", "played_floor", "played_at", "stage_floors", "combined", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
-           "cached_peaks"]
+__all__ = ["step_floor", "placed_floor", "played_floor", "played_at", "cached_played_at", "stage_floors", "combined",
+           "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table", "cached_peaks"]
 
 
 def step_floor(plan: Plan, topology: Topology) -> float | None:
@@ -189,12 +190,16 @@ def cached_played_floor(key: tuple, plan: Plan, topology: Topology) -> float | N
 
 
 def _played_floor(plan: Plan, topology: Topology) -> float | None:
-    """:func:`played_floor`, not memoized on the plan: its play (:func:`played_at`) memoized per topology on all it
-    reads, the schedule's order and each stage's floors (plans apart in what leaves those alike, such as a ZeRO
-    stage or a remat that adds no work, play one)."""
+    """:func:`played_floor`, not memoized on the plan: its play memoized on all it reads (:func:`cached_played_at`)."""
     priced = stage_floors(plan, topology)
-    if priced is None:
-        return None
+    return None if priced is None else cached_played_at(plan, priced, topology)
+
+
+def cached_played_at(plan: Plan, priced: list[dict[tuple[int, str], float]], topology: Topology) -> float:
+    """:func:`played_at`, memoized per topology on all it reads: the schedule's order (its name, stages, microbatches
+    and virtual stages) and each stage's floors (plans apart in what leaves those alike, such as a ZeRO stage or a
+    remat that adds no work, play one; so do the played and the slowed floors, testbed.explore.slowed_floor, of
+    floors alike)."""
     key = (plan.schedule.name, plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages,
            tuple(tuple(chunks.items()) for chunks in priced))
     memo = topology_memo(topology).setdefault("played_at", {})
@@ -228,19 +233,27 @@ def played_at(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
 @functools.lru_cache(maxsize=4096)
 def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, tuple[int, str]], ...],
                                                               tuple[tuple[int, int, tuple[int, ...]], ...]]:
-    """The schedule's execution order (testbed.sim.step.memo.cached_order) as :func:`_played_floor` plays it: its
-    actions' distinct ``(stage, (chunk, kind))``, and per action its stage, the position of its own among those and
-    the positions in the order of every action it waits for, its other stages' (a send arrives no earlier than its
-    sender ends: testbed.sim.step.memo.Waits; each before it: the order puts dependencies first). Its own stage's
-    are left out: each ended by the time its stage is free."""
+    """The schedule's execution order (testbed.sim.step.memo.cached_execution, as testbed.sim.step.memo.cached_order
+    orders it) as :func:`_played_floor` plays it: its actions' distinct ``(stage, (chunk, kind))``, and per action
+    its stage, the position of its own among those and the positions in the order of every action it waits for on
+    other stages (testbed.pipeline.schedules.dependency_keys, whose other stages' keys are testbed.sim.step.memo.Waits'
+    ``receives``: a send arrives no earlier than its sender ends; each before it: the order puts dependencies first).
+    Its own stage's are left out: each ended by the time its stage is free. Built from the execution order alone,
+    without the order's :class:`~testbed.sim.step.memo.Waits`, which only the plans estimated need."""
+    schedule, executed = cached_execution(name, p, m, v)
     at: dict[tuple, int] = {}  # an action's key -> its position
     keys: dict[tuple[int, tuple[int, str]], int] = {}
     out = []
-    for i, (s, a, w) in enumerate(cached_order(name, p, m, v)[1]):
+    for i, (s, a) in enumerate(executed):
         k = keys.setdefault((s, (a.chunk, a.kind)), len(keys))
-        out.append((s, k, tuple(at[key] for key in w.ends + w.receives if key[0] != s)))
+        deps = dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)
+        out.append((s, k, tuple(at[key] for key in deps if key[0] != s)))
         at[(s, a.kind, a.microbatch, a.chunk)] = i
     return tuple(keys), tuple(out)
+
+
+#: Plans' stage floors :func:`stage_floors` keeps (per topology), the latest.
+STAGE_FLOORS_KEPT = 4096
 
 
 def stage_floors(plan: Plan, topology: Topology, computes: list | None = None
@@ -248,7 +261,25 @@ def stage_floors(plan: Plan, topology: Topology, computes: list | None = None
     """Per stage, each ``(chunk, kind)`` action's floor seconds (its compute, :func:`_action_floor`, and its
     blocking tensor collectives', :func:`_tensor_floor`); None where no floor applies (:func:`step_floor`).
     Stages alike in layers, embedding and head share one dict. ``computes``, when given, gets per stage the same
-    floors less their tensor collectives' (an MoE chain's all-to-alls stay in)."""
+    floors less their tensor collectives' (an MoE chain's all-to-alls stay in). Memoized per topology on
+    :func:`floor_key` (what the step, played, placed and slowed floors built from them read of the plan, and what
+    each of their memos keys on), the latest :data:`STAGE_FLOORS_KEPT` keys, so the floors the search takes of one
+    plan one after another price its actions once; the dicts are shared: read them, never change them."""
+    memo = topology_memo(topology).setdefault("stage_floors", {})
+    key = floor_key(plan)
+    hit = memo.get(key, memo)
+    if hit is memo:
+        if len(memo) >= STAGE_FLOORS_KEPT:  # the oldest (a few KB each)
+            del memo[next(iter(memo))]
+        alone: list[dict[tuple[int, str], float]] = []
+        hit = memo[key] = (_stage_floors(plan, topology, alone), tuple(alone))
+    if computes is not None and hit[0] is not None:
+        computes.extend(hit[1])
+    return hit[0]
+
+
+def _stage_floors(plan: Plan, topology: Topology, computes: list) -> list[dict[tuple[int, str], float]] | None:
+    """:func:`stage_floors`, not memoized (``computes`` gets each stage's floors less their tensor collectives')."""
     mesh, v = plan.mesh, plan.schedule.virtual_stages
     if mesh.context > 1 or topology.calibration.host is not None:
         return None
@@ -293,8 +324,7 @@ def stage_floors(plan: Plan, topology: Topology, computes: list | None = None
                     alone[(c, kinds[-1])] += added[hit[1]]
             priced[key] = (seconds, alone)
         out.append(priced[key][0])
-        if computes is not None:
-            computes.append(priced[key][1])
+        computes.append(priced[key][1])
     return out
 
 

@@ -20,7 +20,7 @@ it under the estimate and under the tier's own action floors on sampled plans.
 from __future__ import annotations
 
 from testbed.collectives.routed import memoized
-from testbed.explore.floor import combined, floor_key, played_at, stage_floors
+from testbed.explore.floor import cached_played_at, combined, floor_key, stage_floors
 from testbed.explore.gather_floor import gather_key, middle_gathers
 from testbed.plan.spec import Plan
 from testbed.topology import Topology
@@ -39,11 +39,12 @@ def slowed_floor(plan: Plan, topology: Topology) -> float:
 
 
 def _slowed_floor(plan: Plan, topology: Topology) -> float:
-    """:func:`slowed_floor`, not memoized."""
+    """:func:`slowed_floor`, not memoized on the plan: its play memoized on the order and floors
+    (testbed.explore.floor.cached_played_at, shared with the played floor's)."""
     priced = slowed_action_floors(plan, topology)
     if priced is None:
         return 0.0
-    return max(combined(plan, priced), played_at(plan, priced))
+    return max(combined(plan, priced), cached_played_at(plan, priced, topology))
 
 
 def slowed_action_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], float]] | None:

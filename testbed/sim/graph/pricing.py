@@ -75,6 +75,7 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
     loads: list[Mapping | None] = []
     bandwidth: dict = {}
     memo: dict = {}
+    computed: dict[tuple, float] = {}  # a compute task's seconds by what compute_seconds reads of it
     sym = _Symmetry(topology)
 
     def bw(link) -> float:
@@ -90,9 +91,16 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
             loads.append(None)
             continue
         if task.kind is TaskKind.COMPUTE:
-            durations.append(compute_seconds(topology, dtype, task.flops, task.hbm_bytes, task.kernels,
-                                             task.replicated_bytes, task.split_bytes, task.tensor_bytes, task.gemms,
-                                             task.spans, (task.epilogue_flops, task.epilogue_bytes)))
+            # Every microbatch's tasks of an action alike: priced once (the program holds their GEMMs and spans, so
+            # their ids are theirs while it prices).
+            key = (task.flops, task.hbm_bytes, task.kernels, task.replicated_bytes, task.split_bytes,
+                   task.tensor_bytes, id(task.gemms), id(task.spans), task.epilogue_flops, task.epilogue_bytes)
+            seconds = computed.get(key)
+            if seconds is None:
+                seconds = computed[key] = compute_seconds(
+                    topology, dtype, task.flops, task.hbm_bytes, task.kernels, task.replicated_bytes, task.split_bytes,
+                    task.tensor_bytes, task.gemms, task.spans, (task.epilogue_flops, task.epilogue_bytes))
+            durations.append(seconds)
             loads.append(None)
             continue
         key = (task.kind, task.op, task.group, task.nbytes, task.count, id(task.instances))

@@ -69,6 +69,7 @@ testbed.sim.graph.grad_play's (a mixin of the graph, as testbed.sim.graph.span_p
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -179,6 +180,7 @@ class _Graph(SpanPlay, GradPlay):
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
         self.merge_tasks, self.block_gemms, self.span_end = [], [], None  # (SpanPlay)
+        self.scaled: dict[tuple, tuple] = {}  # (scale, id of an action's spans or GEMMs, share) -> them, scaled
         self.iteration: tuple[int, ...] = ()  # the loop's barrier: what an iteration's first tasks wait for
         self.began = -1  # the first task of the loop iteration (microbatch) running
         self.tail: list[GradBucket] = []  # the last block's buckets, reduced after the action's tensor collectives
@@ -319,7 +321,8 @@ class _Graph(SpanPlay, GradPlay):
         summed: list[int] = []  # per block played, the task that sums its input gradient (the head's; -1: none)
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
-            part, part_gemms = own[k] if own else (1 / pieces, scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
+            part, part_gemms = own[k] if own else (1 / pieces, self._scaled(scaled, gemms, 1 / pieces) if pieces > 1
+                                                      else gemms)
             if gathering:
                 waits = by_span[k].waits if by_span else -1  # (the unlinked last layer's: testbed.sim.step.span_order)
                 gathered = self._gather_block(s, chunk, work.kind, name, k, pieces, ends,
@@ -341,7 +344,7 @@ class _Graph(SpanPlay, GradPlay):
                 kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops * part, hbm_bytes=hbm * part,
                 replicated_bytes=replicated * part, split_bytes=split * part,
                 tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
-                gemms=part_gemms, spans=() if overlap else scaled_spans(work.spans, part))
+                gemms=part_gemms, spans=() if overlap else self._scaled(scaled_spans, work.spans, part))
             computes += [] if ringed is not None else [last]
             ends.append(last)
             deps = []
@@ -355,6 +358,17 @@ class _Graph(SpanPlay, GradPlay):
         if overlap:
             last = self._overlap(s, chunk, overlap, label, last)
         return last, computes
+
+    def _scaled(self, scale: Callable[[tuple, float], tuple], items: tuple, share: float) -> tuple:
+        """``scale(items, share)`` (testbed.model.spans.scaled_spans, testbed.model.gemm.scaled) of an action's spans
+        or GEMMs, memoized per program on their identity (every microbatch's action of a chunk reads its chunk's; the
+        memo keeps them, so an id is not reused): the tasks of alike actions share one tuple (testbed.sim.graph.
+        pricing prices each once)."""
+        key = (scale, id(items), share)
+        hit = self.scaled.get(key)
+        if hit is None or hit[0] is not items:
+            hit = self.scaled[key] = (items, scale(items, share))
+        return hit[1]
 
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
                       ends: list[int], cotangent: int | None = None) -> tuple[int, ...]:

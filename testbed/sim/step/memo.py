@@ -15,8 +15,8 @@ from testbed.model.gemm import ChunkGemms, chunk_gemms
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
 from testbed.plan.spec import Plan
 
-__all__ = ["ActionKey", "Waits", "waits", "OrderedAction", "cached_order", "cached_chunk_cost", "cached_chunk_gemms",
-           "order_of"]
+__all__ = ["ActionKey", "Waits", "waits", "OrderedAction", "cached_execution", "cached_order", "cached_chunk_cost",
+           "cached_chunk_gemms", "order_of"]
 
 #: An action's key: (stage, kind, microbatch, chunk).
 ActionKey = tuple[int, str, int, int]
@@ -49,10 +49,21 @@ def order_of(schedule: Schedule) -> tuple[OrderedAction, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tuple[Schedule, tuple[OrderedAction, ...]]:
-    """(schedule table, its execution order with dependency keys), memoized: many plans share a table."""
+def cached_execution(name: str, stages: int, microbatches: int, virtual: int
+                     ) -> tuple[Schedule, tuple[tuple[int, Action], ...]]:
+    """(schedule table, its execution order: testbed.pipeline.schedules.execution_order), memoized: the order with
+    dependency keys (:func:`cached_order`) and the search's played floors (testbed.explore.floor) read one."""
     schedule = build_schedule(name, stages, microbatches, virtual)
-    return schedule, order_of(schedule)
+    return schedule, tuple(execution_order(schedule))
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tuple[Schedule, tuple[OrderedAction, ...]]:
+    """(schedule table, its execution order with dependency keys: :func:`order_of`), memoized: many plans share a
+    table."""
+    schedule, executed = cached_execution(name, stages, microbatches, virtual)
+    return schedule, tuple((s, a, waits(s, dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
+                           for s, a in executed)
 
 
 def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
