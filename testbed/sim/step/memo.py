@@ -42,10 +42,12 @@ def waits(stage: int, keys: list[ActionKey]) -> Waits:
 OrderedAction = tuple[int, Action, Waits]
 
 
-def order_of(schedule: Schedule) -> tuple[OrderedAction, ...]:
-    """Every action of ``schedule`` in execution order with its :class:`Waits`."""
+def order_of(schedule: Schedule, executed: tuple[tuple[int, Action], ...] | None = None
+             ) -> tuple[OrderedAction, ...]:
+    """Every action of ``schedule`` in execution order (``executed``, where already worked out) with its
+    :class:`Waits`."""
     return tuple((s, a, waits(s, dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
-                 for s, a in execution_order(schedule))
+                 for s, a in (execution_order(schedule) if executed is None else executed))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -62,8 +64,7 @@ def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tup
     """(schedule table, its execution order with dependency keys: :func:`order_of`), memoized: many plans share a
     table."""
     schedule, executed = cached_execution(name, stages, microbatches, virtual)
-    return schedule, tuple((s, a, waits(s, dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
-                           for s, a in executed)
+    return schedule, order_of(schedule, executed)
 
 
 def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
