@@ -35,7 +35,7 @@ def parts(names, topology) -> dict[str, dict]:
     import program_heldout as ph
     from program_kernels import priced
 
-    share = 8 / dict(topology.calibration.host.throughput).get(8, 1.0) if topology.calibration.host else 1.0
+    share = 1 / topology.calibration.host_share(8)  # the host's sharing, as the step prices it
     out = {}
     for name in names:
         case = ph.prepared(name, jax.devices()[:8], topology)

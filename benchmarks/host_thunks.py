@@ -163,8 +163,7 @@ def program_row(name: str, devices, topology, steps: int, measured: dict) -> dic
         seconds[kinds.get(thunk) or ("collectives" if thunk.startswith(COLLECTIVES) else "other")] += s
     total = sum(seconds.values())
     price = priced(case["workload"], topology)
-    share = len(devices) / dict(topology.calibration.host.throughput).get(len(devices), 1.0) \
-        if topology.calibration.host else 1.0
+    share = 1 / topology.calibration.host_share(len(devices))  # the host's sharing, as the step prices it
     row = {"step_s": sorted(times)[len(times) // 10], "predicted_step_s": ph.predicted(case),
            "seconds_per_device": dict(seconds), "share_of_thunks": {k: v / total for k, v in seconds.items()},
            "priced_on_the_step_s": {"dots": share * price.get("matmul_tasks_s", 0.0),
