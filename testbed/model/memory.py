@@ -214,7 +214,7 @@ def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None, n
     row = _stage_peak(plan, stage, inflight, rules=rules)
     if capacity is None or row.total <= capacity:
         return row, ()
-    if plan.batch.microbatches == 1:  # (several accumulate: no weight gradient is deferred, the row is the same)
+    if plan.batch.microbatches == 1:  # (_stage_peak reads ``defer`` for one microbatch only: else the same row)
         row = min(row, _undeferred_row(plan, stage, inflight, rules), key=lambda r: r.total)
     if row.total <= capacity:
         return row, ()
