@@ -6,12 +6,13 @@ agree; collectives per mesh axis equal); the goals not met are strict xfails nam
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 import json
 import statistics
 from pathlib import Path
 
-import pytest
+from helpers import unmet
 
 from testbed.compiled.compare import compare_all
 from testbed.compiled.records import load_records
@@ -30,9 +31,12 @@ def _benchmark():
 
 
 RECORDS = load_records(HELDOUT / "compiled")
-RESULT = compare_all(RECORDS)
-ROWS = {r["plan"]: r for r in RESULT["plans"]}
-ERRORS = [abs(r["error"]) for r in ROWS.values()]
+
+
+@functools.cache
+def _rows() -> dict[str, dict]:
+    """Each held-out plan's comparison with its compile (testbed.compiled.compare), computed once, when first read."""
+    return {r["plan"]: r for r in compare_all(RECORDS)["plans"]}
 
 
 def test_every_heldout_plan_was_predicted_before_it_was_compiled():
@@ -48,7 +52,7 @@ def test_every_heldout_plan_was_predicted_before_it_was_compiled():
 
 
 def test_out_of_memory_verdicts_agree():
-    assert [p for p, r in ROWS.items() if r["predicted_fits"] != r["xla_fits"]] == []
+    assert [p for p, r in _rows().items() if r["predicted_fits"] != r["xla_fits"]] == []
 
 
 #: Held-out plans over 10% from XLA:TPU's total, by the mechanism the compile shows (docs/xla_tpu.md).
@@ -64,14 +68,17 @@ MEMORY_APART = {
 
 def test_memory_is_within_10_percent_but_on_the_named_plans():
     """Each held-out plan within 10% of XLA:TPU's total but those :data:`MEMORY_APART` names, each still over."""
-    over = sorted(p for p, r in ROWS.items() if abs(r["error"]) > 0.10)
-    assert over == sorted(MEMORY_APART), {p: f"{ROWS[p]['error']:+.1%}" for p in over}
+    rows = _rows()
+    over = sorted(p for p, r in rows.items() if abs(r["error"]) > 0.10)
+    assert over == sorted(MEMORY_APART), {p: f"{rows[p]['error']:+.1%}" for p in over}
 
 
-@pytest.mark.xfail(strict=True, reason="memory vs XLA:TPU over {} held-out plans: median |error| {:.1%}, max {:.1%}"
-                   .format(len(ERRORS), statistics.median(ERRORS), max(ERRORS)))
 def test_memory_within_the_issue_tolerance():
-    assert statistics.median(ERRORS) <= 0.05 and max(ERRORS) <= 0.10
+    """Issue 54's tolerance over the held-out set: median |error| <= 5%, max <= 10% (not yet met)."""
+    errors = [abs(r["error"]) for r in _rows().values()]
+    median, worst = statistics.median(errors), max(errors)
+    unmet(median <= 0.05 and worst <= 0.10, f"memory vs XLA:TPU over {len(errors)} held-out plans: median |error| "
+          f"{median:.1%}, max {worst:.1%}")
 
 
 #: The held-out plans whose collectives equal XLA:TPU's compiled HLO per mesh axis (kind, count, bytes).
@@ -80,12 +87,13 @@ COLLECTIVES_EQUAL = ("ho-gpt1536-data4-tensor2-mb4", "ho-gpt1k-data8-seq4096-fla
 
 def test_collectives_equal_the_compiled_hlo_on_the_named_plans():
     """The named plans' collectives equal the compiled HLO's; a plan that comes to equal joins the list."""
-    assert sorted(p for p, r in ROWS.items() if r["collectives_equal"]) == sorted(COLLECTIVES_EQUAL)
+    assert sorted(p for p, r in _rows().items() if r["collectives_equal"]) == sorted(COLLECTIVES_EQUAL)
 
 
-@pytest.mark.xfail(strict=True, reason="collectives per mesh axis differ from XLA:TPU's on {} of {} held-out plans: "
-                   "fsdp gradients all-reduced whole beside a partial-slice fsdp axis, v5p's sequence-parallel blocks "
-                   "all-reduced whole at tensor 8, v5p's all-reduce packing, the expert plan's data all-reduce in two".format(
-                       len(ROWS) - len(COLLECTIVES_EQUAL), len(ROWS)))
 def test_collectives_per_axis_equal_the_compiled_hlo():
-    assert all(r["collectives_equal"] for r in ROWS.values())
+    """Issue 54's goal: every held-out plan's collectives equal the compiled HLO's (not yet met)."""
+    rows = _rows()
+    differ = [p for p, r in rows.items() if not r["collectives_equal"]]
+    unmet(differ == [], f"collectives per mesh axis differ from XLA:TPU's on {len(differ)} of {len(rows)} held-out "
+          "plans: fsdp gradients all-reduced whole beside a partial-slice fsdp axis, v5p's sequence-parallel blocks "
+          "all-reduced whole at tensor 8, v5p's all-reduce packing, the expert plan's data all-reduce in two")
