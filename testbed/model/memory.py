@@ -466,8 +466,9 @@ def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] |
         params_count=costs.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
         grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
         total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
-        per_stage=tuple(stages), workspace_parts=worst.workspace_parts, rematerialised_loss="rematerialised_loss" in taken,
-        delayed_gathers="delayed_gathers" in taken, fragmentation=worst.fragmentation)
+        per_stage=tuple(stages), workspace_parts=worst.workspace_parts,
+        rematerialised_loss="rematerialised_loss" in taken, delayed_gathers="delayed_gathers" in taken,
+        fragmentation=worst.fragmentation)
 
 
 def stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None,

@@ -25,6 +25,7 @@ import numpy as np
 
 from testbed.plan.spec import Plan
 from testbed.plan.sharding import state_sharding
+from testbed.sim.xla.workload import element_bytes
 
 __all__ = ["COLLECTIVES", "count_collectives", "expected_collectives", "check_collectives", "replica_groups",
            "varying_dims", "compiled_axes", "compiled_bytes", "compiled_calls"]
@@ -83,11 +84,6 @@ def check_collectives(plan: Plan, hlo_texts: Iterable[str], transfers: int = 0) 
 
 
 # -- replica groups and bytes of a compiled SPMD program --------------------------------------------
-
-def _element_bytes(element: str) -> int:
-    bits = re.search(r"(\d+)", element)
-    return max(1, int(bits.group(1)) // 8) if bits else 4
-
 
 def varying_dims(groups: list[list[int]], shape: tuple[int, ...]) -> list[int]:
     """Indices of the mesh dims along which some group's members differ (device ``i``: row-major coordinate)."""
@@ -169,7 +165,7 @@ def _compiled_collectives(hlo_text: str, mesh_shape: tuple[int, ...], axis_names
 
 def _array_bytes(types: str) -> list[int]:
     """Bytes of each array of an HLO result type: one array ``f32[4,8]{1,0}`` or a tuple of them."""
-    return [math.prod(int(d) for d in dims.split(",") if d) * (1 if element == "pred" else _element_bytes(element))
+    return [math.prod(int(d) for d in dims.split(",") if d) * element_bytes(element)
             for element, dims in _HLO_ARRAY.findall(types)]
 
 
