@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from testbed.model import layout
@@ -56,9 +57,22 @@ def flat_shape(param: ParamSpec, tensor: int, ways: int, expert: int = 1, expert
     return (*(k for _, k, _ in split), ways * param.device_elements(tensor, ways, expert, expert_tensor))
 
 
+def _on_host(x: Any) -> tuple[Any, Any]:
+    """(``x``, the array module to move it with): numpy for a host array or a whole one this process holds, moved
+    to the host (a trainer's initial state, the state verify compares: no program compiled per leaf shape for a
+    reshape), else jax.numpy (traced in a step, or spread over processes)."""
+    if isinstance(x, np.ndarray):
+        return x, np
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable:
+        return np.asarray(x), np
+    return x, jnp
+
+
 def flatten(x: jax.Array, param: ParamSpec, tensor: int, ways: int, expert: int = 1,
             expert_tensor: int | None = None) -> jax.Array:
-    """``x`` (the parameter's shape) in its flat form (:func:`flat_shape`), zero-padded."""
+    """``x`` (the parameter's shape) in its flat form (:func:`flat_shape`), zero-padded; a numpy array when ``x``
+    is one or a whole array of this process (:func:`_on_host`)."""
+    x, xp = _on_host(x)
     split = _split_dims(param, tensor, expert, expert_tensor)
     shape: list[int] = []
     fronts: list[int] = []
@@ -69,21 +83,23 @@ def flatten(x: jax.Array, param: ParamSpec, tensor: int, ways: int, expert: int 
             shape += [k, n // k]
         else:
             shape.append(n)
-    y = jnp.moveaxis(x.reshape(shape), fronts, list(range(len(fronts))))
+    y = xp.moveaxis(x.reshape(shape), fronts, list(range(len(fronts))))
     y = y.reshape(*(k for _, k, _ in split), -1)
     pad = flat_shape(param, tensor, ways, expert, expert_tensor)[-1] - y.shape[-1]
-    return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, pad)])
+    return xp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, pad)])
 
 
 def unflatten(y: jax.Array, param: ParamSpec, tensor: int, expert: int = 1, expert_tensor: int | None = None
               ) -> jax.Array:
-    """The parameter's shape back from its flat form (the padding cut off): :func:`flatten`'s inverse."""
+    """The parameter's shape back from its flat form (the padding cut off): :func:`flatten`'s inverse (numpy as
+    :func:`flatten` says)."""
+    y, xp = _on_host(y)
     split = _split_dims(param, tensor, expert, expert_tensor)
     local = [n // next((k for d, k, _ in split if d == i), 1) for i, n in enumerate(param.shape)]
     y = y[..., :math.prod(local)].reshape(*(k for _, k, _ in split), *local)
     dims = [d for d, _, _ in split]
     # Each degree goes back in front of its dim: after moving, degree j sits at dim d_j + j.
-    y = jnp.moveaxis(y, list(range(len(dims))), [d + j for j, d in enumerate(dims)])
+    y = xp.moveaxis(y, list(range(len(dims))), [d + j for j, d in enumerate(dims)])
     return y.reshape(param.shape)
 
 

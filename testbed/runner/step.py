@@ -315,6 +315,15 @@ def _reference_step(spec: Any, precision: Any, remat: Any, optimizer: Any) -> An
     return jax.jit(train_step, donate_argnums=(0, 1))
 
 
+@functools.lru_cache(maxsize=16)
+def _reference_init(spec: Any, precision: Any, optimizer: Any) -> Any:
+    """One jitted ``full -> (held parameters, optimizer state)`` per model and optimizer (a trainer's own jit of its
+    bound methods would compile again for every reference built)."""
+    opt = Optimizer(Plan(model=spec, batch=BatchSpec(global_batch=1), precision=precision, optimizer=optimizer),
+                    sharded=False)
+    return jax.jit(lambda full: (opt.held(full), opt.init(full)))
+
+
 class ReferenceTrainer:
     """The whole model and global batch on one device: what every plan must reproduce."""
 
@@ -328,7 +337,8 @@ class ReferenceTrainer:
         full = jax.device_put(host_tree(model.init_params(self.plan.model, self.plan.seed)), self.device)
         # Committed to the device like the states the step returns: an uncommitted leaf (the optimizer's zeros depend
         # on no input) would make the step's second call compile its program again.
-        return jax.device_put((jax.jit(self.optimizer.held)(full), jax.jit(self.optimizer.init)(full)), self.device)
+        return jax.device_put(_reference_init(self.plan.model, self.plan.precision, self.plan.optimizer)(full),
+                              self.device)
 
     def step(self, state: tuple[Any, Any], step: int) -> tuple[tuple[Any, Any], jax.Array]:
         tokens, targets = jax.device_put(step_batch(self.plan, step), self.device)
