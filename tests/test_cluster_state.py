@@ -237,3 +237,33 @@ def test_two_concurrent_ups_of_one_name_build_one_cluster(folder: Path) -> None:
     finally:
         netns.remove(name)
         state.remove_state(name)
+
+
+def test_a_build_that_lost_the_name_leaves_the_winners_owner_record(folder: Path) -> None:
+    """The record of a namespace another process made is not removed by a build whose ``ip netns add`` of it failed
+    (testbed.cluster.netns.build: ``remove_owner`` with its own builder token): the winner's namespace stays listed,
+    so ``cluster down`` removes it."""
+    ns = f"tbc-won{TAG}-keep-sw"
+    state.write_owner(ns, "winner", made=False)
+    state.remove_owner(ns, "loser")
+    assert state.owner_record(ns) == {"namespace": ns, "inode": None, "builder": "winner"}
+    state.remove_owner(ns, "winner")
+    assert state.owner_record(ns) is None
+
+
+def test_a_held_name_makes_a_second_holder_wait(folder: Path) -> None:
+    """``state.name_held``: while one process holds a cluster's name another's hold waits for it (``cluster up``
+    checks the name is free and builds it under the hold)."""
+    code = ("import sys, time; from testbed.cluster import state\n"
+            "with state.name_held('held'):\n    print('in', flush=True); time.sleep(float(sys.argv[1]))\n")
+    env = {**os.environ, "TESTBED_CLUSTER_STATE": str(folder / "state")}
+    with subprocess.Popen([sys.executable, "-c", code, "1.5"], env=env, stdout=subprocess.PIPE, text=True) as first:
+        try:
+            assert first.stdout.readline() == "in\n"
+            start = time.monotonic()
+            second = subprocess.run([sys.executable, "-c", code, "0"], env=env, capture_output=True, text=True,
+                                    timeout=60)
+            assert second.stdout == "in\n" and first.poll() is not None  # the name only once the first let go
+            assert time.monotonic() - start > 0.5
+        finally:
+            first.kill()

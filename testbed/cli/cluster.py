@@ -86,6 +86,12 @@ def _up(args: argparse.Namespace) -> dict[str, object]:
         raise InputError("up needs --topology (a levels topology) and --scale (e.g. 0.01)", field="topology")
     spec = cluster_spec(load_topology(args.topology), name=args.name, scale=args.scale, mtu=args.mtu)
     require_privilege()
+    with state.name_held(spec.name):  # the check and the build as one: a concurrent `up` waits, then finds it taken
+        return _build_kept(spec, args.topology)
+
+
+def _build_kept(spec: ClusterSpec, topology: str) -> dict[str, object]:
+    """Build kept cluster ``spec`` unless its name is taken (the caller holds the name): ``up``'s result."""
     removed = netns.remove_leftovers()
     if any(c.name == spec.name for c in netns.clusters()):
         raise InputError(f"a cluster `{spec.name}` is already up (or being built); `testbed cluster down {spec.name}` "
@@ -97,7 +103,7 @@ def _up(args: argparse.Namespace) -> dict[str, object]:
             raise InputError(f"building cluster `{spec.name}` failed, nothing of it is left: {exc}",
                              field="name") from None
         try:
-            state.write_state(spec.name, _topology_source(args.topology), spec.scale, spec.mtu)
+            state.write_state(spec.name, _topology_source(topology), spec.scale, spec.mtu)
             queue = netns.queue_in_use(spec, "keep")
         except BaseException:
             with signals_held():

@@ -308,7 +308,7 @@ def build(spec: ClusterSpec, owner: str, *, queue: str = SPARSE_FIRST) -> list[s
                 try:
                     _run(["ip", "netns", "add", ns])
                 except ClusterError:
-                    state.remove_owner(ns)
+                    state.remove_owner(ns, builder)
                     raise
                 made.append(ns)
                 state.write_owner(ns, builder)

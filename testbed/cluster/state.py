@@ -31,11 +31,12 @@ from testbed.cluster.spec import check_name
 from testbed.errors import InputError
 
 __all__ = ["state_dir", "state_path", "write_state", "read_state", "remove_state", "netns_inode",
-           "write_owner", "owner_record", "remove_owner", "recorded_namespaces"]
+           "write_owner", "owner_record", "remove_owner", "recorded_namespaces", "name_held"]
 
 #: Where ``ip netns`` keeps its namespaces' files (iproute2's NETNS_RUN_DIR).
 NETNS_DIR = Path("/run/netns")
 _OWNERS = "owners"
+_LOCKS = "locks"
 
 
 def state_dir() -> Path:
@@ -129,9 +130,38 @@ def owner_record(ns: str) -> dict[str, object] | None:
     return data if data.get("inode") in (None, netns_inode(ns)) else None
 
 
-def remove_owner(ns: str) -> None:
+def remove_owner(ns: str, builder: str | None = None) -> None:
+    """Remove namespace ``ns``'s owner record; with ``builder``, only a record that process wrote (a build that
+    lost the name to another leaves the winner's record)."""
+    if builder is not None and (_read_owner(ns) or {}).get("builder") != builder:
+        return
     with contextlib.suppress(OSError, ValueError, InputError):
         _owner_path(ns).unlink(missing_ok=True)
+
+
+def _read_owner(ns: str) -> dict | None:
+    try:
+        data = json.loads(_owner_path(ns).read_text())
+    except (OSError, ValueError, InputError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@contextlib.contextmanager
+def name_held(name: str):
+    """Hold cluster ``name`` against every other testbed process on the machine (an exclusive ``flock`` on
+    ``locks/NAME.lock`` in the state folder) while one checks the name is free and builds it: two concurrent
+    ``cluster up`` of one name build one cluster, the second finds it taken."""
+    import fcntl
+
+    folder = state_dir() / _LOCKS
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(_inside(folder, f"{check_name(name)}.lock", "name"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def recorded_namespaces() -> list[str]:
