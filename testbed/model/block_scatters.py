@@ -115,15 +115,15 @@ def _merges_key(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: 
             plan.sequence_parallel and plan.mesh.tensor > 1, vectors, packed)
 
 
-# Each of scatter_ops, scatter_reads, scatter_early and scatter_cuts from the merges (:func:`_merges_key`'s
-# arguments), memoized: a search reads the same chunk's under many plans.
-@functools.lru_cache(maxsize=1 << 12)
+@functools.lru_cache(maxsize=1 << 12)  # a search reads the same chunk's under many plans (and below)
 def _scatter_ops(*key) -> tuple[tuple[str, ...], ...]:
+    """:func:`scatter_ops` of the merges of :func:`_merges_key`'s ``key``."""
     return tuple(tuple(op for *_, op in block) for block in _scatter_merges(*key))
 
 
 @functools.lru_cache(maxsize=1 << 12)
 def _scatter_reads(*key) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """:func:`scatter_reads` of the merges of :func:`_merges_key`'s ``key`` (its eighth: the blocks)."""
     blocks = key[7]
     return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read, *_ in block)
                  for block in _scatter_merges(*key))
@@ -131,11 +131,13 @@ def _scatter_reads(*key) -> tuple[tuple[tuple[int, ...], ...], ...]:
 
 @functools.lru_cache(maxsize=1 << 12)
 def _scatter_early(*key) -> tuple[tuple[float, ...], ...]:
+    """:func:`scatter_early` of the merges of :func:`_merges_key`'s ``key``."""
     return tuple(tuple(early for _, _, early, *_ in block) for block in _scatter_merges(*key))
 
 
 @functools.lru_cache(maxsize=1 << 12)
 def _scatter_cuts(*key) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    """:func:`scatter_cuts` of the merges of :func:`_merges_key`'s ``key``."""
     return tuple(tuple(tuple(dict(cuts).get(b, 0.0) for b in sorted(read, reverse=True))
                        for _, read, _, cuts, _ in block) for block in _scatter_merges(*key))
 
