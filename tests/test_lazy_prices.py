@@ -50,3 +50,26 @@ def test_least_is_the_whole_price_and_order_does_not_matter(topology_name: str, 
         eager = make()
         assert action_floors(eager) == floors
         assert all(eager.prices[key] == lazy.prices[key] for key in keys)
+
+
+def test_an_actions_span_plays_are_played_once_per_pieces_and_priced_alike_without_the_memo() -> None:
+    """testbed.explore.span_times: an action's blocks played span by span (span_play.action_plays) are built once per
+    ``pieces`` and memo and read by both its price and its floor; priced without a memo they are the same, to the
+    bit."""
+    from testbed.explore.span_times import played_computes, priced_plays
+
+    seen = 0
+    for make in _steps("tpu-v4-4x4x4", 64, 24, 5):
+        step = make()
+        for (s, c, kind), (chunk, work, _) in step.actions.items():
+            for pieces, reduce in ((chunk.blocks, False), (chunk.buckets, True)):
+                spans: dict = {}
+                priced = priced_plays(step, s, chunk, work, pieces, reduce, spans=spans)
+                computes = played_computes(step, s, chunk, work, pieces, reduce, spans=spans)
+                assert priced == priced_plays(step, s, chunk, work, pieces, reduce)
+                assert computes == played_computes(step, s, chunk, work, pieces, reduce)
+                assert computes == tuple(block.compute for block in priced)
+                if priced:
+                    assert tuple(block.play for block in priced) == spans[("plays", reduce)]
+                    seen += 1
+    assert seen > 0

@@ -178,7 +178,7 @@ class StepPrices(ReductionPrices):
         self.actions: dict[tuple[int, int, str], tuple[ChunkFacts, ActionWork, int]] = {}
         self._cores: dict[tuple[int, int, str], _Core] = {}  # :meth:`_core`'s memo, of the first alike chunks
         self._leasts: dict[tuple[int, int, str], Least] = {}  # :meth:`least`'s memo, of the first alike chunks
-        self._spans: dict[tuple, dict] = {}  # the span plays' compute items' seconds (span_times' ``spans``)
+        self._spans: dict[tuple, dict] = {}  # the span plays and their compute items' seconds (span_times' ``spans``)
         plan, v = facts.plan, facts.virtual
         spans = chunk_layers(plan.model, p, v, plan.stage_layers)
         for s in range(p):

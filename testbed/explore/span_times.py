@@ -46,16 +46,18 @@ def priced_plays(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, 
     its FLOPs' share of its block's kernels, its share of the block's replicated and split bytes), a tensor item
     its collectives one after another, a bucket item its reductions (``reduce``: the action releases them;
     ``accumulate``: as an earlier microbatch's reduce-scatters into the sharded accumulator). ``spans``: the memo
-    of the compute items' seconds (:func:`played_computes`'), one per action and ``pieces``."""
+    of the compute items' seconds and of the action's plays (:func:`played_computes`'), one per action and
+    ``pieces``."""
     facts = step.facts
-    plays = action_plays(chunk, work, pieces, facts.gathers("B"), facts.plan.sequence_parallel, reduce)
+    spans = {} if spans is None else spans
+    plays = _action_plays(step, chunk, work, pieces, reduce, spans)
     if not plays:
         return ()
     sizes = chunk.gather_sizes(work.kind) if facts.params_ways > 1 else ()
     ops = chunk.gather_ops(work.kind) if sizes else ()
     time, axes = step.coll.time, facts.params_axes
     out = []
-    priced = _span_prices(step, chunk, work, pieces, {} if spans is None else spans)
+    priced = _span_prices(step, chunk, work, pieces, spans)
     for k, play in enumerate(plays):
         seconds, buckets = [], []
         for item in play.items:
@@ -88,13 +90,25 @@ def played_computes(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWor
                     accumulate: bool = False, spans: dict | None = None) -> tuple[float, ...]:
     """Each block's compute seconds of :func:`priced_plays`' play (its PricedBlock.compute, to the bit) without
     pricing its collectives (empty: not played by spans); ``spans``: as :func:`priced_plays`'."""
-    facts = step.facts
-    plays = action_plays(chunk, work, pieces, facts.gathers("B"), facts.plan.sequence_parallel, reduce)
+    spans = {} if spans is None else spans
+    plays = _action_plays(step, chunk, work, pieces, reduce, spans)
     if not plays:
         return ()
-    priced = _span_prices(step, chunk, work, pieces, {} if spans is None else spans)
+    priced = _span_prices(step, chunk, work, pieces, spans)
     return tuple(sum(priced(k, item) for item in play.items if item.stream == "compute")
                  for k, play in enumerate(plays))
+
+
+def _action_plays(step: StepPrices, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool, spans: dict
+                  ) -> tuple[BlockPlay, ...]:
+    """testbed.sim.graph.span_play.action_plays of the action, memoized in ``spans`` (one per action and ``pieces``;
+    under a key of its own beside the compute items'): its pricing and its floor read it both."""
+    key = ("plays", reduce)
+    hit = spans.get(key)
+    if hit is None:
+        facts = step.facts
+        hit = spans[key] = action_plays(chunk, work, pieces, facts.gathers("B"), facts.plan.sequence_parallel, reduce)
+    return hit
 
 
 def _span_prices(step: StepPrices, chunk: ChunkFacts, work: ActionWork, pieces: int, spans: dict):

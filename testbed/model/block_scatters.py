@@ -53,8 +53,7 @@ def scatter_ops(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: 
     """Per block of a chunk's backward (as :func:`block_scatters`), per merged reduce-scatter, its op where the
     compiler makes it another (``all_reduce``: the rank-1 gradients' merge where ``vectors``), else empty (the
     parameter kind's own: testbed.sim.step.update_facts.Reduction.scatter_op)."""
-    merges = _plan_merges(plan, stage, chunk, blocks, combine_bytes, bytes_per_element, vectors, packed)
-    return tuple(tuple(op for *_, op in block) for block in merges)
+    return _scatter_ops(*_merges_key(plan, stage, chunk, blocks, combine_bytes, bytes_per_element, vectors, packed))
 
 
 def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
@@ -68,8 +67,8 @@ def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     XLA's combiner made is one collective reading every member's operand (xla/service/reduce_scatter_combiner.h:
     "combines small non-dependent ReduceScatter ops"), so where all of a small model's gradients fit one merge it
     waits for every layer's weight gradients."""
-    merges = _plan_merges(plan, stage, chunk, blocks, combine_bytes, bytes_per_element, vectors, packed)
-    return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read, *_ in block) for block in merges)
+    return _scatter_reads(*_merges_key(plan, stage, chunk, blocks, combine_bytes, bytes_per_element, vectors,
+                                       packed))
 
 
 def scatter_early(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
@@ -88,8 +87,8 @@ def scatter_early(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     scheduler resource of their own (testbed.sim.step.facts.step_facts' ``chained_gathers``): the input gradient
     waits for the layer's re-gathered weights, which arrive one gather after another; where they do not (the
     superpod's traced step) the weight gradient follows the layer's input gradients."""
-    merges = _plan_merges(plan, stage, chunk, blocks, combine_bytes, bytes_per_element, vectors, packed)
-    return tuple(tuple(early for _, _, early, *_ in block) for block in merges)
+    return _scatter_early(*_merges_key(plan, stage, chunk, blocks, combine_bytes, bytes_per_element, vectors,
+                                       packed))
 
 
 def scatter_cuts(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
@@ -103,17 +102,44 @@ def scatter_cuts(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes:
     operands are ready, computes a merge's weight-gradient matmuls and starts it before the block's other weight
     gradients: the traced layer cuts its weight gradients by the merges that read them (testbed.sim.step.span_order),
     not all of them before its first merge leaves."""
-    merges = _plan_merges(plan, stage, chunk, blocks, combine_bytes, bytes_per_element, vectors, packed)
+    return _scatter_cuts(*_merges_key(plan, stage, chunk, blocks, combine_bytes, bytes_per_element, vectors,
+                                      packed))
+
+
+def _merges_key(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float,
+                vectors: bool, packed: bool) -> tuple:
+    """The arguments of :func:`_scatter_merges`: the plan facts it depends on and those of :func:`scatter_ops` and the
+    others."""
+    return (plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
+            state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes, bytes_per_element,
+            plan.sequence_parallel and plan.mesh.tensor > 1, vectors, packed)
+
+
+@functools.lru_cache(maxsize=1 << 12)  # a search reads the same chunk's under many plans (and below)
+def _scatter_ops(*key) -> tuple[tuple[str, ...], ...]:
+    """:func:`scatter_ops` of the merges of :func:`_merges_key`'s ``key``."""
+    return tuple(tuple(op for *_, op in block) for block in _scatter_merges(*key))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _scatter_reads(*key) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """:func:`scatter_reads` of the merges of :func:`_merges_key`'s ``key`` (its eighth: the blocks)."""
+    blocks = key[7]
+    return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read, *_ in block)
+                 for block in _scatter_merges(*key))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _scatter_early(*key) -> tuple[tuple[float, ...], ...]:
+    """:func:`scatter_early` of the merges of :func:`_merges_key`'s ``key``."""
+    return tuple(tuple(early for _, _, early, *_ in block) for block in _scatter_merges(*key))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _scatter_cuts(*key) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    """:func:`scatter_cuts` of the merges of :func:`_merges_key`'s ``key``."""
     return tuple(tuple(tuple(dict(cuts).get(b, 0.0) for b in sorted(read, reverse=True))
-                       for _, read, _, cuts, _ in block) for block in merges)
-
-
-def _plan_merges(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float,
-                 vectors: bool, packed: bool) -> tuple:
-    """:func:`_scatter_merges` of the plan facts it depends on (the arguments of :func:`scatter_ops` and the others)."""
-    return _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
-                           state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                           bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1, vectors, packed)
+                       for _, read, _, cuts, _ in block) for block in _scatter_merges(*key))
 
 
 #: The leaves whose weight gradients read only their layer's incoming cotangent (:func:`scatter_early`).

@@ -104,12 +104,25 @@ def block_ops(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elemen
               matmul_bytes: float = 0.0, lowering: Lowering = NO_LOWERING) -> tuple[tuple[str, ...], ...]:
     """As :func:`block_gathers`, each collective's op: ``all_gather``, or ``all_reduce`` where ``lowering`` lowers
     it (testbed.model.gather_lowering)."""
-    mesh = _merge_mesh(plan.mesh)
-    merges = _gather_merges(plan.model, mesh, plan.schedule.virtual_stages, plan.stage_layers,
-                            state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, combine_bytes,
+    return _block_ops(*_gathers_key(plan), stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element,
+                      recompute, matmul_bytes, lowering)
+
+
+def _gathers_key(plan: Plan) -> tuple:
+    """What of ``plan`` a chunk's merged gathers depend on (the first arguments of :func:`_gather_merges`)."""
+    return (plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
+            state_sharding(plan).ways(plan, "params"))
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a search reads the same chunk's under many plans
+def _block_ops(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
+               chunk: int, kind: str, blocks: int, elements: int, combine_bytes: float, bytes_per_element: float,
+               recompute: bool, matmul_bytes: float, lowering: Lowering) -> tuple[tuple[str, ...], ...]:
+    """:func:`block_ops` from what it depends on."""
+    merges = _gather_merges(spec, mesh, v, stage_layers, ways, stage, chunk, kind, blocks, combine_bytes,
                             bytes_per_element, recompute, matmul_bytes, lowering)
-    sizes = block_gathers(plan, stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element, recompute,
-                          matmul_bytes, lowering)
+    sizes = _block_gathers(spec, mesh, v, stage_layers, ways, stage, chunk, kind, blocks, elements, combine_bytes,
+                           bytes_per_element, recompute, matmul_bytes, lowering)
     ordered = merges if kind == "F" else tuple(reversed(merges))
     return tuple(tuple(op for *_, op in block) + ("all_gather",) * (len(total) - len(block))
                  for block, total in zip(ordered, sizes))
@@ -246,12 +259,20 @@ def gather_holds(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, ele
     own leaves the merge holds (None: what :func:`block_gathers` adds beyond the leaves, a tied table's copy,
     holding anything). XLA starts an op once its operands are ready: a span of the block waits for the merges
     holding the leaves it reads (testbed.sim.step.span_order), not for all of its block's."""
-    spec, mesh = plan.model, _merge_mesh(plan.mesh)
-    merges = _gather_merges(spec, mesh, plan.schedule.virtual_stages, plan.stage_layers,
-                            state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, combine_bytes,
+    return _gather_holds(*_gathers_key(plan), stage, chunk, kind, blocks, elements, combine_bytes,
+                         bytes_per_element, recompute, matmul_bytes, lowering)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a search reads the same chunk's under many plans
+def _gather_holds(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
+                  chunk: int, kind: str, blocks: int, elements: int, combine_bytes: float, bytes_per_element: float,
+                  recompute: bool, matmul_bytes: float, lowering: Lowering
+                  ) -> tuple[tuple[frozenset[str] | None, ...], ...]:
+    """:func:`gather_holds` from what it depends on."""
+    merges = _gather_merges(spec, mesh, v, stage_layers, ways, stage, chunk, kind, blocks, combine_bytes,
                             bytes_per_element, recompute, matmul_bytes, lowering)
-    sizes = block_gathers(plan, stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element, recompute,
-                          matmul_bytes, lowering)
+    sizes = _block_gathers(spec, mesh, v, stage_layers, ways, stage, chunk, kind, blocks, elements, combine_bytes,
+                           bytes_per_element, recompute, matmul_bytes, lowering)
     ordered = merges if kind == "F" else tuple(reversed(merges))
     out = []
     for k, (block, total) in enumerate(zip(ordered, sizes)):

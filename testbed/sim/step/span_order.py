@@ -305,6 +305,52 @@ def _release(items: list[Item], pending: list[tuple[int, int, set[int]]], comput
     pending[:] = [p for p in pending if p not in ready]
 
 
+class _Program(NamedTuple):
+    """A :class:`BlockPlay` as :func:`time_block` reads it: each item's stream (0 compute, 1 tensor, 2 buckets)
+    and the slot (or, waiting for several, the slots) of what it waits for, in a list of times holding
+    :data:`START`'s, :data:`WAITING`'s, the previous block's, each of ``tokens`` merges' (a :func:`merged`
+    token's) and then each item's end; the slots of ``play.after`` and ``play.done[-1]``, and ``play.summed``'s
+    (-1: none)."""
+
+    tokens: int
+    steps: tuple[tuple[int, int, tuple[int, ...] | None], ...]
+    after: tuple[int, ...]
+    done: int
+    summed: int
+
+
+_STREAMS = {"compute": 0, "tensor": 1}
+_PROGRAMS: dict[int, tuple[BlockPlay, _Program]] = {}  # id(play) -> (play, its program): plays are reused by many
+_MAX_PROGRAMS = 1 << 16  # (emptied past it)
+
+
+def _program(play: BlockPlay) -> _Program:
+    """``play``'s :class:`_Program`, memoized by identity (the play kept, so its id is not reused)."""
+    hit = _PROGRAMS.get(id(play))
+    if hit is not None and hit[0] is play:
+        return hit[1]
+    tokens = max((merge_of(d) + 1 for item in play.items for d in item.deps if d < 0 and d not in (START, WAITING)),
+                 default=0)
+    base = 3 + tokens
+
+    def slot(d: int) -> int:
+        if d >= 0:
+            return base + d
+        if d == START:
+            return 0
+        if d == WAITING:
+            return 1
+        return 3 + merge_of(d) if merge_of(d) >= 0 else 2
+    steps = tuple((_STREAMS.get(item.stream, 2), slot(item.deps[0]) if len(item.deps) == 1 else 0,
+                   tuple(slot(d) for d in item.deps) if len(item.deps) > 1 else None) for item in play.items)
+    out = _Program(tokens, steps, tuple(slot(d) for d in play.after), slot(play.done[-1]),
+                   base + play.summed if play.summed >= 0 else -1)
+    if len(_PROGRAMS) >= _MAX_PROGRAMS:
+        _PROGRAMS.clear()
+    _PROGRAMS[id(play)] = (play, out)
+    return out
+
+
 def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, previous: float,
                merges: tuple[float, ...], gathered: float, compute: float, tensor: float
                ) -> tuple[float, float, float, float, list[tuple[int, float]], float, float]:
@@ -315,44 +361,35 @@ def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, previo
     the block is done, the compute stream's and the tensor stream's end, each ``buckets`` item's index and when it
     leaves (its seconds: those of its reductions held on the compute stream,
     testbed.sim.step.step_rules.held_stream), when its first compute item starts, when its input gradient is summed:
-    ``play.summed``'s end, 0 where none)."""
-    ends: list[float] = []
+    ``play.summed``'s end, 0 where none). An item waiting for none starts at ``start``."""
+    program = _program(play)
+    times = [start, gathered, previous]  # (the slots of _Program)
+    if program.tokens:
+        n = len(merges)
+        for m in range(program.tokens):
+            x = merges[m] if m < n else gathered
+            times.append(x if x > previous else previous)
+    base = len(times)
     releases = []
     first = None
-
-    def when(d: int) -> float:
-        if d >= 0:
-            return ends[d]
-        if d == START:
-            return start
-        if d == WAITING:
-            return gathered
-        m = merge_of(d)
-        return max(previous, merges[m] if m < len(merges) else gathered) if m >= 0 else previous
-    for item, s in zip(play.items, seconds):
-        deps = item.deps
-        if len(deps) == 1:  # (most items: the one before)
-            d = deps[0]
-            at = ends[d] if d >= 0 else when(d)
-        else:
-            at = max((when(d) for d in deps), default=start)
-        stream = item.stream
-        if stream == "compute":
+    for (stream, dep, deps), s in zip(program.steps, seconds):
+        at = times[dep] if deps is None else max([times[d] for d in deps])
+        if stream == 0:
             if compute > at:
                 at = compute
             compute = at + s
-            first = at if first is None else first
-        elif stream == "tensor":
+            if first is None:
+                first = at
+        elif stream == 1:
             if tensor > at:
                 at = tensor
             tensor = at + s
         else:  # a bucket: its reductions leave for the grad stream, those held (``s``) run on the compute stream
             if s:
-                at = max(at, compute)
+                if compute > at:
+                    at = compute
                 compute = at + s
-            releases.append((len(ends), at))
-            ends.append(at + s)
-            continue
-        ends.append(at + s)
-    return (max(when(d) for d in play.after), when(play.done[-1]), compute, tensor, releases,
-            start if first is None else first, ends[play.summed] if play.summed >= 0 else 0.0)
+            releases.append((len(times) - base, at))
+        times.append(at + s)
+    return (max([times[d] for d in program.after]), times[program.done], compute, tensor, releases,
+            start if first is None else first, times[program.summed] if program.summed >= 0 else 0.0)
