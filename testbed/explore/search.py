@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from testbed.errors import InputError
 from testbed.explore.analytic import Estimate, estimate, plan_memory
 from testbed.explore.eta import TimeLeft
+from testbed.explore.collector import rarely_collected
 from testbed.explore.floor import cached_peaks, cached_played_floor, cached_step_floor, group_floor_key, placed_floor
 from testbed.explore.gather_floor import gather_floor
 from testbed.explore.slowed_floor import slowed_floor
@@ -175,6 +176,7 @@ def _overflows(plan: Plan, topology: Topology, memory_cap: float, floors: dict |
     return any(stage_memory(plan, s, inflight[s], capacity, rules).total > limit for s in probe_stages(plan))
 
 
+@rarely_collected
 def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *, objective: str = "step_time",
            memory_cap: float = 1.0, replay: int = 16, margin: float = 0.02, top: int = 5,
            price_per_device_hour: float | None = None, stop_replays: bool = True,
