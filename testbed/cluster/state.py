@@ -133,18 +133,10 @@ def owner_record(ns: str) -> dict[str, object] | None:
 def remove_owner(ns: str, builder: str | None = None) -> None:
     """Remove namespace ``ns``'s owner record; with ``builder``, only a record that process wrote (a build that
     lost the name to another leaves the winner's record)."""
-    if builder is not None and (_read_owner(ns) or {}).get("builder") != builder:
+    if builder is not None and (owner_record(ns) or {}).get("builder") != builder:
         return
     with contextlib.suppress(OSError, ValueError, InputError):
         _owner_path(ns).unlink(missing_ok=True)
-
-
-def _read_owner(ns: str) -> dict | None:
-    try:
-        data = json.loads(_owner_path(ns).read_text())
-    except (OSError, ValueError, InputError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 @contextlib.contextmanager
