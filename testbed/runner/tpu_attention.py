@@ -45,19 +45,19 @@ def _kernel(heads: int, seq: int, window: int | None, blocks: SplashBlocks, inte
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None,
-                     blocks: SplashBlocks | None = None, interpret: bool = False) -> jax.Array:
+                     blocks: SplashBlocks | None = None, interpret: bool = False, scaled: bool = False) -> jax.Array:
     """Causal attention (a sliding ``window`` of that many keys: ``q - window < k <= q``) by the splash kernels:
     q ``[batch, seq, heads, head_dim]``, k and v ``[batch, seq, kv_heads, head_dim]`` -> ``[batch, seq, heads,
     head_dim]`` in q's dtype. The kernel takes heads before positions and no softmax scale: q is scaled by
-    ``1 / sqrt(head_dim)`` first (as MaxText does), and each batch row is one kernel call (``vmap``). ``blocks``:
-    the runner's for ``seq`` and ``head_dim`` unless given (benchmarks/tpu_splash_blocks.py times others); ``interpret``: Pallas's
-    interpreter (a CPU host)."""
+    ``1 / sqrt(head_dim)`` first (as MaxText does; ``scaled``: the caller did), and each batch row is one kernel
+    call (``vmap``). ``blocks``: the runner's for ``seq`` and ``head_dim`` unless given
+    (benchmarks/tpu_splash_blocks.py times others); ``interpret``: Pallas's interpreter (a CPU host)."""
     b, seq, heads, head_dim = q.shape
     blocks = blocks or SplashBlocks.for_seq(seq, head_dim)
     if blocks is None:
         raise ValueError(f"splash attention needs seq a multiple of {LANES}, not {seq}")
     kernel = _kernel(heads, seq, window, blocks, interpret)
-    q = q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+    q = q if scaled else q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
     heads_first = (0, 2, 1, 3)
     out = jax.vmap(kernel)(*(x.transpose(heads_first) for x in (q, k, v)))
     return out.transpose(heads_first)
