@@ -318,12 +318,18 @@ def published_section(data: dict, meta: dict) -> list[str]:
     return out + [line.replace("#### ", "### ", 1) if line.startswith("#### ") else line for line in body]
 
 
+def _dates(rec: dict) -> str:
+    """``2026-12-06``, or ``2026-12-06 to 2026-12-07`` for a record whose calls span days."""
+    first, last = rec["date"][:10], rec.get("last_date", rec["date"])[:10]
+    return first if first == last else f"{first} to {last}"
+
+
 def chip_section(chip: dict) -> list[str]:
     """The single-chip suite measured on a TPU v5e chip (benchmarks/tpu_chip_fit.py's JSON)."""
     rec, fit = chip["recorded"], chip["fitted"]
     versions = ", ".join(f"{k} {v}" for k, v in rec["versions"].items() if v)
     out = ["## Measured on a TPU v5e chip", "",
-           f"One {rec['device_kind']} chip, {rec['date'][:10]} ({versions}): the runner's step of each plan of "
+           f"One {rec['device_kind']} chip, {_dates(rec)} ({versions}): the runner's step of each plan of "
            "`benchmarks/tpu_chip/` timed by `benchmarks/tpu_chip.py` (median of "
            f"{rec['rounds']} rounds of {rec['steps']} steps) beside the "
            "simulator's step on the bundled one-chip `tpu-v5e-1`, and XLA:TPU's "

@@ -199,7 +199,9 @@ def merge_runs(calls: list[dict]) -> dict:
 
 def extend_runs(recorded: dict, calls: list[dict]) -> dict:
     """A merged ``runs.json`` extended by later calls made after the runner changed: each call added under
-    ``calls``; a plan a later call ran replaces the recorded row (it measures today's runner), the others stay."""
+    ``calls``; a plan a later call ran replaces the recorded row (it measures today's runner), the row replaced kept
+    under ``superseded`` and the new row's ``runner_since`` the call's date (what was measured of an older runner,
+    e.g. a profile's step, pairs with the row of its time: benchmarks/tpu_chip_fit.py), the others stay."""
     merged = dict(recorded, calls=list(recorded["calls"]), command=recorded["command"])
     rows = {r["plan"]: r for r in recorded["plans"]}
     for call in calls:
@@ -207,9 +209,20 @@ def extend_runs(recorded: dict, calls: list[dict]) -> dict:
         merged["calls"].append({"date": call["date"], "command": relative_command(call["command"]),
                                 "wall_s": call["wall_s"], "versions": call["versions"]})
         merged["command"] += " ; " + relative_command(call["command"])
-        rows |= {r["plan"]: {k: v for k, v in r.items() if k != "trace"} | {"call": index}
-                 for r in call["plans"] if r["ok"]}
+        for r in call["plans"]:
+            if r["ok"]:
+                old = rows.get(r["plan"])
+                rows[r["plan"]] = ({k: v for k, v in r.items() if k != "trace"} | {"call": index, "runner_since": call["date"]}
+                                   | ({"superseded": old} if old else {}))
     return merged | {"plans": list(rows.values())}
+
+
+def measured_then(row: dict, date: str) -> dict:
+    """The row measuring the runner of ``date`` (an ISO date): ``row``, or the row it superseded where the runner
+    changed after ``date`` (:func:`extend_runs`)."""
+    while row.get("runner_since") and row["runner_since"] > date and "superseded" in row:
+        row = row["superseded"]
+    return row
 
 
 def merge_main(out: Path, sources: list[str], extend: str | None = None) -> int:

@@ -120,12 +120,16 @@ def step_gaps() -> list[Gap]:
     def modules_s(planes: dict) -> float:
         return next(iter(planes.values()))["lines_ns_per_step"]["XLA Modules"] * 1e-9
 
-    measured = {r["plan"]: r["median_s"] for r in runs()["plans"] if r["ok"]}
-    gaps = [Gap(p["plan"], spmd_step_buffers(load_plan(str(DATA / "plans" / f"{p['plan']}.yaml"))),
-                measured[p["plan"]] - modules_s(p["planes"]))
-            for p in json.loads((DATA / "profiles.json").read_text())["plans"] if p["ok"] and p["planes"]]
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tpu_chip import measured_then
+
+    measured = {r["plan"]: r for r in runs()["plans"] if r["ok"]}
+    profiles = json.loads((DATA / "profiles.json").read_text())
+    profiled = profiles["calls"][-1]["date"]  # the runner profiled: the one measured by then
+    gaps = [Gap(p["plan"], spmd_step_buffers(load_plan(str(DATA / "plans" / f"{p['plan']}.yaml"))),
+                measured_then(measured[p["plan"]], profiled)["median_s"] - modules_s(p["planes"]))
+            for p in profiles["plans"] if p["ok"] and p["planes"]]
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     from program_chip import traced
 
@@ -255,7 +259,8 @@ def report() -> dict:
         left_out[row.plan] = step_s(plan, src | refit) / row.measured_s - 1
     return {"sources": src, "fitted": {k: values[k] for k in values if k not in src}, "plans": len(rows),
             "controller": controller,
-            "recorded": {k: runs()[k] for k in ("date", "versions", "device_kind", "steps", "rounds")},
+            "recorded": {k: runs()[k] for k in ("date", "versions", "device_kind", "steps", "rounds")}
+            | {"last_date": runs()["calls"][-1]["date"]},
             "chip": chip_rows(values),
             "in_sample": _summary(list(in_sample.values())), "leave_one_out": _summary(list(left_out.values())),
             "per_plan": {p: {"in_sample": round(in_sample[p], 4), "leave_one_out": round(left_out[p], 4)}
