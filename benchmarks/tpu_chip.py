@@ -212,8 +212,8 @@ def extend_runs(recorded: dict, calls: list[dict]) -> dict:
         for r in call["plans"]:
             if r["ok"]:
                 old = rows.get(r["plan"])
-                rows[r["plan"]] = ({k: v for k, v in r.items() if k != "trace"} | {"call": index, "runner_since": call["date"]}
-                                   | ({"superseded": old} if old else {}))
+                row = {k: v for k, v in r.items() if k != "trace"} | {"call": index, "runner_since": call["date"]}
+                rows[r["plan"]] = row | ({"superseded": old} if old else {})
     return merged | {"plans": list(rows.values())}
 
 
