@@ -186,3 +186,14 @@ def test_the_splash_paths_rope_is_the_faster_form_on_the_chip() -> None:
     assert record["runner_after"]["llama400m-bf16-full"]["median_s"] < full["rope-matmul"]["median_s"]
     turned, split = (record["profile_seconds_per_step"]["llama400m-bf16-full"][f] for f in ("turned", "half-split"))
     assert turned["elementwise"] < 0.2 * split["elementwise"]
+
+
+def test_the_runner_keeps_head_dim_minor_operands_as_the_chip_timed_them() -> None:
+    """The positions-minor splash operands at head dim 64 (rope_forms.json's ``positions_minor``: fewer relayout
+    copies in XLA:TPU's compile) ran one recorded plan faster and the other slower than the runner as it is, so the
+    runner keeps head-dim-minor operands (no ``seq_minor`` in its blocks)."""
+    record = json.loads((ROOT / "benchmarks" / "tpu_chip" / "rope_forms.json").read_text())
+    variant, runner = record["positions_minor"]["steps"], record["runner_after"]
+    faster = [p for p in variant if variant[p]["median_s"] < runner[p]["median_s"]]
+    assert len(variant) == 2 and 0 < len(faster) < len(variant)
+    assert SplashBlocks.for_seq(2048, 64).seq_minor == ""
