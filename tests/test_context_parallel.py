@@ -17,6 +17,7 @@ from hypothesis import given, strategies as st
 from testbed.runner import devices as dev
 from testbed.runner import model as jm
 from testbed.runner.ring_attention import context_shards
+from testbed.runner.rope import rope
 from testbed.runner.step import SpmdTrainer, step_batch
 from testbed.testing.strategies import plans
 from testbed.runner.train import verify_plan
@@ -94,8 +95,8 @@ def test_positions_follow_the_zigzag_order() -> None:
     x = jm.embed(params["embed"], tokens[:, order], context=Ordered(order))
     np.testing.assert_array_equal(np.asarray(x), np.asarray(jm.embed(params["embed"], tokens))[:, order])
     rot = jax.random.normal(jax.random.key(1), (1, 16, 2, 4))
-    np.testing.assert_allclose(np.asarray(jm._rope(rot[:, order], 1e4, order)),
-                               np.asarray(jm._rope(rot, 1e4))[:, order], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(rope(rot[:, order], 1e4, order)),
+                               np.asarray(rope(rot, 1e4))[:, order], rtol=1e-6, atol=1e-6)
 
 
 @given(st.data())

@@ -166,13 +166,13 @@ def test_rope_turned_is_rope_bit_for_bit(dtype: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from testbed.runner import model as jm
+    from testbed.runner.rope import rope, rope_turned
 
     x = jax.random.normal(jax.random.key(0), (2, 32, 3, 16)).astype(dtype)
     order = np.arange(32)[::-1]
-    assert bool((jm._rope_turned(x, 1e4) == jm._rope(x, 1e4)).all())
-    assert bool((jm._rope_turned(x, 1e4, order) == jm._rope(x, 1e4, order)).all())
-    assert bool((jm._rope_turned(x, 500.0, scale=0.25) == jm._rope(x, 500.0) * jnp.asarray(0.25, x.dtype)).all())
+    assert bool((rope_turned(x, 1e4) == rope(x, 1e4)).all())
+    assert bool((rope_turned(x, 1e4, order) == rope(x, 1e4, order)).all())
+    assert bool((rope_turned(x, 500.0, scale=0.25) == rope(x, 500.0) * jnp.asarray(0.25, x.dtype)).all())
 
 
 def test_the_splash_paths_rope_is_the_faster_form_on_the_chip() -> None:

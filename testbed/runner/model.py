@@ -41,6 +41,7 @@ import numpy as np
 from testbed.runner import moe
 from testbed.runner.attention import FLASH_RESIDUALS, flash_attention, plain_attention
 from testbed.runner.norms import layer_norm as _layer_norm
+from testbed.runner.rope import rope, rope_turned
 from testbed.runner.ring_attention import ContextShards
 from testbed.runner.tpu_attention import AttentionKernel, splash_attention
 from testbed.model import layout
@@ -183,45 +184,6 @@ def embed(params_embed: Params, tokens: jax.Array, seq: Any = None, fsdp: Any = 
     return x + (params_embed["positions"][:length] if context is None else params_embed["positions"][context.order])
 
 
-def _rope_tables(x: jax.Array, theta: float, positions: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """RoPE's ``cos`` and ``sin`` of ``[seq, head_dim / 2]`` for ``x [batch, seq, heads, head_dim]``: dims ``i`` and
-    ``i + head_dim/2`` rotate together by ``pos * theta^(-2i/head_dim)``; ``positions`` default ``0 .. seq-1``."""
-    seq, head_dim = x.shape[1], x.shape[3]
-    half = head_dim // 2
-    inv_freq = 1.0 / (theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / head_dim))
-    pos = np.arange(seq) if positions is None else np.asarray(positions)
-    angles = pos.astype(np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles), np.sin(angles)
-
-
-def _rope(x: jax.Array, theta: float, positions: np.ndarray | None = None) -> jax.Array:
-    """Rotary position embedding of ``[batch, seq, heads, head_dim]`` (the half-split convention of GPT-NeoX
-    and Hugging Face's Llama: dims ``i`` and ``i + head_dim/2`` rotate together by ``pos * theta^(-2i/head_dim)``);
-    ``positions``: each row's position (context parallelism's zigzag order), default ``0 .. seq-1``."""
-    half = x.shape[3] // 2
-    cos, sin = (jnp.asarray(t[None, :, None, :], x.dtype) for t in _rope_tables(x, theta, positions))
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def _rope_turned(x: jax.Array, theta: float, positions: np.ndarray | None = None, scale: float = 1.0) -> jax.Array:
-    """:func:`_rope` times ``scale``, for XLA:TPU: ``x * cos + turn(x) * sin`` over the whole head dim, ``turn`` (the
-    halves swapped, the first negated) a signed permutation applied as a dot (one +-1 a column, fp32 accumulation at
-    the highest precision: exact). The half-split form's slices and concatenation are half-width arrays that XLA:TPU
-    lays out and copies apart at head dim 64 (three passes a tensor; a whole-width one here: the 430M
-    full-remat step 4.3% faster on a v5e chip, benchmarks/tpu_chip/rope_forms.json). ``scale`` rides on the tables
-    (the splash path's softmax scale, no pass of its own). Equal to :func:`_rope` bit for bit at ``scale`` 1."""
-    cos, sin = _rope_tables(x, theta, positions)
-    half = cos.shape[1]
-    turn = np.zeros((2 * half, 2 * half), np.float32)
-    turn[np.arange(half) + half, np.arange(half)] = -1.0
-    turn[np.arange(half), np.arange(half) + half] = 1.0
-    turned = jax.lax.dot_general(x, jnp.asarray(turn, x.dtype), (((3,), (0,)), ((), ())),
-                                 precision=jax.lax.Precision.HIGHEST, preferred_element_type=x.dtype)
-    whole = (jnp.asarray(scale * np.concatenate([t, t], axis=1)[None, :, None, :], x.dtype) for t in (cos, sin))
-    return x * next(whole) + turned * next(whole)
-
-
 def _gelu(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x)
 
@@ -276,14 +238,15 @@ def _qkv(a: Params, h: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, arch: _Arch, remat: Remat | str) -> jax.Array:
     """Causal self-attention of projected ``q, k, v`` (RoPE applied here): ``[batch, seq, heads x head_dim]``.
-    Under the splash kernel RoPE takes its XLA:TPU form (:func:`_rope_turned`) with the softmax scale on q."""
+    Under the splash kernel RoPE takes its XLA:TPU form (testbed.runner.rope.rope_turned), the softmax scale on q's
+    tables."""
     splash = arch.context is None and arch.flash_block is not None and arch.kernel is AttentionKernel.SPLASH
     if arch.rope_theta is not None and splash:
         scale = 1.0 / math.sqrt(q.shape[-1])
-        q, k = _rope_turned(q, arch.rope_theta, scale=scale), _rope_turned(k, arch.rope_theta)
+        q, k = rope_turned(q, arch.rope_theta, scale=scale), rope_turned(k, arch.rope_theta)
     elif arch.rope_theta is not None:
         order = None if arch.context is None else arch.context.order
-        q, k = _rope(q, arch.rope_theta, order), _rope(k, arch.rope_theta, order)
+        q, k = rope(q, arch.rope_theta, order), rope(k, arch.rope_theta, order)
     if arch.context is not None:  # ring attention over the context axis (plain or blockwise per ring step)
         attended = arch.context.attend(q, k, v, arch.flash_block)
     elif splash:  # keeps only q, k, v, its output and the row log-sum-exp: remat has no more to drop
