@@ -43,7 +43,7 @@ from testbed.runner.attention import FLASH_RESIDUALS, flash_attention, plain_att
 from testbed.runner.norms import layer_norm as _layer_norm
 from testbed.runner.rope import rope, rope_turned
 from testbed.runner.ring_attention import ContextShards
-from testbed.runner.tpu_attention import AttentionKernel, splash_attention
+from testbed.runner.tpu_attention import AttentionKernel, softmax_scale, splash_attention
 from testbed.model import layout
 from testbed.model.kept import DOTS_POLICIES
 from testbed.model.layout import Init, ParamSpec, Part
@@ -242,8 +242,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, arch: _Arch, remat: Remat 
     tables."""
     splash = arch.context is None and arch.flash_block is not None and arch.kernel is AttentionKernel.SPLASH
     if arch.rope_theta is not None and splash:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        q, k = rope_turned(q, arch.rope_theta, scale=scale), rope_turned(k, arch.rope_theta)
+        q, k = rope_turned(q, arch.rope_theta, scale=softmax_scale(q.shape[-1])), rope_turned(k, arch.rope_theta)
     elif arch.rope_theta is not None:
         order = None if arch.context is None else arch.context.order
         q, k = rope(q, arch.rope_theta, order), rope(k, arch.rope_theta, order)

@@ -46,5 +46,6 @@ def rope_turned(x: jax.Array, theta: float, positions: np.ndarray | None = None,
     turn[np.arange(half), np.arange(half) + half] = 1.0
     turned = jax.lax.dot_general(x, jnp.asarray(turn, x.dtype), (((3,), (0,)), ((), ())),
                                  precision=jax.lax.Precision.HIGHEST, preferred_element_type=x.dtype)
-    whole = (jnp.asarray(scale * np.concatenate([t, t], axis=1)[None, :, None, :], x.dtype) for t in (cos, sin))
-    return x * next(whole) + turned * next(whole)
+    cos_whole, sin_whole = (jnp.asarray(scale * np.concatenate([t, t], axis=1)[None, :, None, :], x.dtype)
+                            for t in (cos, sin))
+    return x * cos_whole + turned * sin_whole

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from testbed.model.flash_kernel import LANES, AttentionKernel, SplashBlocks, attention_kernel, splash_block
 from testbed.runner.attention import FLASH_RESIDUALS
 
-__all__ = ["AttentionKernel", "attention_kernel", "splash_block", "splash_attention", "SplashBlocks", "LANES"]
+__all__ = ["AttentionKernel", "attention_kernel", "splash_block", "splash_attention", "softmax_scale", "SplashBlocks",
+           "LANES"]
 
 
 @lru_cache(maxsize=32)
@@ -44,6 +45,11 @@ def _kernel(heads: int, seq: int, window: int | None, blocks: SplashBlocks, inte
                                                     interpret=interpret, residual_checkpoint_name=FLASH_RESIDUALS)
 
 
+def softmax_scale(head_dim: int) -> float:
+    """The scale the splash kernels' caller puts on q (they take none): ``1 / sqrt(head_dim)``."""
+    return 1.0 / math.sqrt(head_dim)
+
+
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None,
                      blocks: SplashBlocks | None = None, interpret: bool = False, scaled: bool = False) -> jax.Array:
     """Causal attention (a sliding ``window`` of that many keys: ``q - window < k <= q``) by the splash kernels:
@@ -57,7 +63,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
     if blocks is None:
         raise ValueError(f"splash attention needs seq a multiple of {LANES}, not {seq}")
     kernel = _kernel(heads, seq, window, blocks, interpret)
-    q = q if scaled else q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+    q = q if scaled else q * jnp.asarray(softmax_scale(head_dim), q.dtype)
     heads_first = (0, 2, 1, 3)
     out = jax.vmap(kernel)(*(x.transpose(heads_first) for x in (q, k, v)))
     return out.transpose(heads_first)
