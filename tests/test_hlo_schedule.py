@@ -179,3 +179,64 @@ def test_xla_cpu_compile_of_a_sharded_step():
     assert ("data", "all-reduce") in rows
     assert rows[("data", "all-reduce")].bytes == 64 * 64 * 4
     assert all(axes == "data" for axes, _ in rows)
+
+
+# XLA:TPU's all-reduce-scatter fusion (libtpu 0.0.42's compile of a [1024, 4096] bf16 gradient reduce-scattered
+# along dim 0 over a v5e 2x2 slice, abridged): the reduce-scatter decomposer's all-reduce and dynamic-slice of the
+# padded input, emitted as one reduce-scatter; each shard completed by a collective-permute of a slice of it.
+_SCATTER = """HloModule jit_body, is_scheduled=true
+
+%region (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}
+
+%all-reduce-scatter (input: bf16[1024,4096]) -> bf16[288,4096] {
+  %input = bf16[1024,4096]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %constant = bf16[] constant(0)
+  %pad = bf16[1152,4096]{1,0:T(8,128)(2,1)} pad(%input, %constant), padding=0_128x0_0
+  %all-reduce.1 = bf16[1152,4096]{1,0:T(8,128)(2,1)} all-reduce(%pad), channel_id=2, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%region
+  %partition-id = u32[] partition-id()
+  %constant.1 = u32[] constant(288)
+  %multiply = u32[]{:T(128)} multiply(%partition-id, %constant.1)
+  %constant.2 = u32[] constant(0)
+  ROOT %dynamic-slice = bf16[288,4096]{1,0:T(8,128)(2,1)S(1)} dynamic-slice(%all-reduce.1, %multiply, %constant.2), dynamic_slice_sizes={288,4096}
+}
+
+ENTRY %main (p: bf16[1024,4096]) -> bf16[384,4096] {
+  %p = bf16[1024,4096]{1,0:T(8,128)(2,1)} parameter(0)
+  %fusion = bf16[288,4096]{1,0:T(8,128)(2,1)S(1)} fusion(%p), kind=kCustom, calls=%all-reduce-scatter, backend_config={"flag_configs":[],"collective_algorithm_config":{"emitter":"SingleInputAllReduceScatterFusion","strategy":"StrategySubgroupND"}}
+  %slice = bf16[96,4096]{1,0:T(8,128)(2,1)S(1)} slice(%fusion), slice={[192:288], [0:4096]}
+  %collective-permute-start = (bf16[96,4096]{1,0:T(8,128)(2,1)S(1)}, bf16[96,4096]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%slice), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3}}
+  %collective-permute-done = bf16[96,4096]{1,0:T(8,128)(2,1)S(1)} collective-permute-done(%collective-permute-start)
+  %other = bf16[96,4096]{1,0:T(8,128)(2,1)S(1)} negate(%collective-permute-done)
+  %shift-start = (bf16[96,4096]{1,0}, bf16[96,4096]{1,0}, u32[], u32[]) collective-permute-start(%other), channel_id=3, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %shift-done = bf16[96,4096]{1,0} collective-permute-done(%shift-start)
+  ROOT %concatenate = bf16[384,4096]{1,0:T(8,128)(2,1)S(1)} concatenate(%shift-done, %fusion), dimensions={0}
+}
+"""
+
+
+def test_an_all_reduce_scatter_fusion_is_its_reduce_scatter_with_its_fixups():
+    """The fused all-reduce counts as one reduce-scatter of the fusion's input (unpadded); the permute of a slice
+    of its output is its fix-up, in its row's fixup_bytes; a permute of anything else stays a collective."""
+    found = {c.name: c for c in hs.collectives(_SCATTER, (4,), ("fsdp",))}
+    scatter = found["fusion"]
+    assert (scatter.kind, scatter.bytes, scatter.position, scatter.computation) == (
+        "reduce-scatter", 1024 * 4096 * 2, 1, "main")
+    assert found["collective-permute-start"].fixes == "fusion" and found["shift-start"].fixes is None
+    rows = {r.kind: r for r in hs.per_axis(list(found.values()))}
+    assert set(rows) == {"reduce-scatter", "collective-permute"}
+    assert (rows["reduce-scatter"].count, rows["reduce-scatter"].fixup_bytes) == (1, 96 * 4096 * 2)
+    assert rows["collective-permute"].count == 1 and rows["collective-permute"].fixup_bytes == 0
+    assert rows["reduce-scatter"].to_dict()["fixup_bytes"] == 96 * 4096 * 2
+    assert "fixup_bytes" not in rows["collective-permute"].to_dict()
+
+
+def test_an_all_reduce_in_a_plain_custom_fusion_stays_an_all_reduce():
+    """Without the all-reduce-scatter emitter the fused all-reduce is an all-reduce of its padded buffer."""
+    text = _SCATTER.replace("SingleInputAllReduceScatterFusion", "RotatedPincerShortEmitter")
+    kinds = {c.name: (c.kind, c.bytes, c.fixes) for c in hs.collectives(text, (4,), ("fsdp",))}
+    assert kinds["all-reduce.1"] == ("all-reduce", 1152 * 4096 * 2, None)
+    assert kinds["collective-permute-start"][2] is None

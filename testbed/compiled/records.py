@@ -63,11 +63,15 @@ class XlaCollective:
     count: int
     bytes: int
     asynchronous: int
+    #: A reduce-scatter row's collective-permutes completing XLA:TPU's all-reduce-scatter fusions' shards
+    #: (testbed.runner.hlo_schedule): bytes per device, not counted in ``bytes``.
+    fixup_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all"):
             raise ValueError(f"unknown collective kind {self.kind!r}")
-        if self.group < 2 or self.count < 0 or self.bytes < 0 or not 0 <= self.asynchronous <= self.count:
+        if (self.group < 2 or self.count < 0 or self.bytes < 0 or self.fixup_bytes < 0
+                or not 0 <= self.asynchronous <= self.count):
             raise ValueError(f"{self.axes} {self.kind}: group {self.group}, count {self.count}, bytes {self.bytes}, "
                              f"async {self.asynchronous}")
 
@@ -126,7 +130,8 @@ def _record(data: dict[str, Any]) -> XlaRecord:
         memory = XlaMemory(**{k: programs[0]["memory"][k] for k in
                               ("argument", "output", "temp", "alias", "generated_code", "peak")})
     collectives = tuple(XlaCollective(axes=r["axes"], kind=r["kind"], group=r["group"], count=r["count"],
-                                      bytes=r["bytes"], asynchronous=r["async"]) for r in report.get("per_axis", ()))
+                                      bytes=r["bytes"], asynchronous=r["async"], fixup_bytes=r.get("fixup_bytes", 0))
+                        for r in report.get("per_axis", ()))
     return XlaRecord(name=data["name"], target=parse_target(data["target"]),
                      plan=plan_from_dict(data["plan"], default_name=data["name"]), status=data["status"],
                      date=data["date"], command=data["command"], message=data.get("message"),

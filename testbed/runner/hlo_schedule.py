@@ -26,6 +26,18 @@ counted at its start (as often as the start runs, asynchronous, overlapping
 the instructions up to its done); the copies in its steps and done move
 nothing more.
 
+XLA:TPU also emits some reduce-scatters as an all-reduce-scatter fusion:
+its reduce-scatter decomposer (after layout assignment) rewrites the
+reduce-scatter as an all-reduce and a dynamic-slice, which the all-reduce
+scatter fusion then emits as one reduce-scatter (a ``kCustom`` fusion whose
+backend config names the emitter ``SingleInputAllReduceScatterFusion``,
+the emitter of XLA:TPU's native reduce-scatters too): the input padded to
+whole shards, reduced and scattered, each device's shard then completed by
+a collective-permute of the padded rows from its neighbour and a slice. Such a
+fusion counts as the reduce-scatter it is (its bytes the fusion's input,
+unpadded), and the collective-permutes of slices of its output as its
+fix-ups (``fixup_bytes`` of its row), not as collectives of their own.
+
 Bytes follow :mod:`testbed.runner.hlo` (the nccl-tests convention): per
 device, the buffer of an all-reduce, all-to-all or collective-permute, the
 gathered buffer of an all-gather, the whole input (result times group) of a
@@ -60,6 +72,10 @@ _CONSTANT = re.compile(r"s(?:32|64)\[\](?:\{[^}]*\})?\s*constant\((\d+)\)")
 _CHAIN = re.compile(r'\bchain_id="(\d+)"')
 _FUSION_CALL = re.compile(r"\bfusion\(.*?\bcalls=%?([\w.\-]+)")
 _CHAIN_START, _CHAIN_DONE = 'custom_call_target="AsyncCollectiveStart"', 'custom_call_target="AsyncCollectiveDone"'
+_SCATTER_FUSION = re.compile(r"\bfusion\(.*?\bkind=kCustom\b.*?\bcalls=%?([\w.\-]+).*?\"emitter\":\"\w*AllReduceScatterFusion\"")
+_PARAMETER = re.compile(r"=\s*(.*?)\s*\bparameter\(\d+\)")
+_OPERAND = re.compile(r"\b(?:" + _KINDS + r")(?:-start)?\(%?([\w.\-]+)")
+_SLICE_OF = re.compile(r"\bslice\(%?([\w.\-]+)\)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +104,8 @@ class HloCollective:
     computation: str
     position: int
     overlap: int | None = None
+    #: A fix-up collective-permute of an all-reduce-scatter fusion (module doc): that reduce-scatter's name.
+    fixes: str | None = None
 
     def __post_init__(self) -> None:
         if self.group < 2 or self.bytes < 0 or self.executions < 0:
@@ -110,11 +128,14 @@ class AxisCollectives:
     bytes: int
     asynchronous: int
     overlap: int
+    #: Bytes per device of the collective-permutes completing all-reduce-scatter fusions' shards (module doc).
+    fixup_bytes: int = 0
 
     def to_dict(self) -> dict:
-        return {"axes": self.axes, "kind": self.kind, "group": self.group, "count": self.count,
-                "instructions": self.instructions, "bytes": self.bytes, "async": self.asynchronous,
-                "overlapped_instructions": self.overlap}
+        out = {"axes": self.axes, "kind": self.kind, "group": self.group, "count": self.count,
+               "instructions": self.instructions, "bytes": self.bytes, "async": self.asynchronous,
+               "overlapped_instructions": self.overlap}
+        return {**out, "fixup_bytes": self.fixup_bytes} if self.fixup_bytes else out
 
 
 def computations(text: str) -> dict[str, Computation]:
@@ -225,19 +246,47 @@ def _chain_wrappers(comps: dict[str, Computation]) -> tuple[dict[str, tuple[str,
     return out, steps
 
 
+def _scatter_fusions(comps: dict[str, Computation]) -> dict[str, tuple[str, int, str, int]]:
+    """XLA:TPU's all-reduce-scatter fusions (module doc): the fused computation -> (its caller, the fusion's
+    position there, the fusion instruction's name, its input's bytes per device)."""
+    out = {}
+    for comp in comps.values():
+        for i, line in enumerate(comp.lines):
+            fused = _SCATTER_FUSION.search(line)
+            if fused and fused.group(1) in comps:
+                inputs = [m.group(1) for m in map(_PARAMETER.search, comps[fused.group(1)].lines) if m]
+                out[fused.group(1)] = (comp.name, i, _NAME.match(line).group(1), sum(map(_bytes_of, inputs)))
+    return out
+
+
+def _bytes_of(types: str) -> int:
+    return sum(_array_bytes(types))
+
+
+def _fixed(line: str, lines: dict[str, str], fusions: set[str]) -> str | None:
+    """The all-reduce-scatter fusion (of ``fusions``' names) a collective-permute ``line`` completes: its operand a
+    slice of the fusion's output (``lines``: the computation's instructions by name); else None."""
+    operand = _OPERAND.search(line)
+    sliced = _SLICE_OF.search(lines.get(operand.group(1), "")) if operand else None
+    return sliced.group(1) if sliced and sliced.group(1) in fusions else None
+
+
 def collectives(text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> list[HloCollective]:
     """Every collective of a compiled program moving bytes, in schedule order per computation (an async collective
-    fusion chain once, at its start)."""
+    fusion chain once, at its start; an all-reduce-scatter fusion as its reduce-scatter, module doc)."""
     comps = computations(text)
     runs = multiplicities(comps)
     chains, steps = _chain_wrappers(comps)
     wrappers = {**_async_wrappers(comps), **chains}
+    scatters = _scatter_fusions(comps)
+    fusions = {name for _, _, name, _ in scatters.values()}
     devices = math.prod(mesh_shape)
     out = []
     for comp in comps.values():
         if comp.name in steps:
             continue
         names = [(_NAME.match(line) or [None, None])[1] for line in comp.lines]
+        by_name = dict(zip(names, comp.lines))
         for i, line in enumerate(comp.lines):
             match = _COLLECTIVE.search(line)
             if not match:
@@ -247,7 +296,7 @@ def collectives(text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, .
             if group < 2:
                 continue
             axes = "?" if groups is None else "+".join(axis_names[k] for k in varying_dims(groups, mesh_shape))
-            types, overlap, where, position = match.group(1), None, comp.name, i
+            types, overlap, where, position, kind, name = match.group(1), None, comp.name, i, match.group(2), names[i]
             if match.group(3):  # X-start ... X-done: the output type is the done's result
                 done = next((j for j in range(i + 1, len(comp.lines))
                              if (m := _DONE.search(comp.lines[j])) and m.group(2) == names[i]), None)
@@ -255,25 +304,36 @@ def collectives(text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, .
                     types, overlap = _DONE.search(comp.lines[done]).group(1), done - i - 1
             elif comp.name in wrappers:
                 where, position, overlap = wrappers[comp.name]
-            size = sum(_array_bytes(types)) * (group if match.group(2) == "reduce-scatter" else 1)
-            out.append(HloCollective(name=names[i] or f"{comp.name}:{i}", kind=match.group(2), axes=axes, group=group,
-                                     bytes=size, executions=runs.get(where, 1), computation=where, position=position,
-                                     overlap=overlap))
+            size = _bytes_of(types) * (group if kind == "reduce-scatter" else 1)
+            if comp.name in scatters:  # the reduce-scatter an all-reduce-scatter fusion emits
+                where, position, name, size = scatters[comp.name]
+                kind = "reduce-scatter"
+            fixes = _fixed(line, by_name, fusions) if kind == "collective-permute" else None
+            out.append(HloCollective(name=name or f"{comp.name}:{i}", kind=kind, axes=axes, group=group, bytes=size,
+                                     executions=runs.get(where, 1), computation=where, position=position,
+                                     overlap=overlap, fixes=fixes))
     return out
 
 
 def per_axis(found: list[HloCollective]) -> list[AxisCollectives]:
-    """Per (axes, kind): executions per program run, instructions, bytes per device, async ones, overlap."""
+    """Per (axes, kind): executions per program run, instructions, bytes per device, async ones, overlap; the
+    fix-ups of all-reduce-scatter fusions in their reduce-scatter's row (``fixup_bytes``), not rows of their own."""
     rows: dict[tuple[str, str], dict] = {}
+    fixed = {c.name: (c.axes, c.kind) for c in found}
     for c in found:
+        if c.fixes is not None:
+            continue
         row = rows.setdefault((c.axes, c.kind), {"group": c.group, "count": 0, "instructions": 0, "bytes": 0,
-                                                 "asynchronous": 0, "overlap": 0})
+                                                 "asynchronous": 0, "overlap": 0, "fixup_bytes": 0})
         row["count"] += c.executions
         row["instructions"] += 1
         row["bytes"] += c.bytes * c.executions
         row["asynchronous"] += c.asynchronous
         row["overlap"] += c.overlap or 0
         row["group"] = max(row["group"], c.group)
+    for c in found:
+        if c.fixes is not None:
+            rows[fixed[c.fixes]]["fixup_bytes"] += c.bytes * c.executions
     return [AxisCollectives(axes=a, kind=k, **row) for (a, k), row in sorted(rows.items())]
 
 

@@ -115,7 +115,8 @@ class ProgramReport:
         return {"name": self.name, "runs_per_step": self.runs, "memory": self.memory.to_dict(),
                 "collectives": [c.to_dict() for c in self.collectives], "fusions": self.fusions,
                 "instructions": [{"kind": c.kind, "axes": c.axes, "bytes": c.bytes, "executions": c.executions,
-                                  "async": c.overlap is not None} for c in self.instructions],
+                                  "async": c.overlap is not None, **({"fixes": c.fixes} if c.fixes else {})}
+                                 for c in self.instructions],
                 "flops": self.flops, "compile_s": round(self.seconds, 3)}
 
 
@@ -137,7 +138,8 @@ class CompileReport:
     seconds: float = 0.0
 
     def per_axis(self) -> list[dict[str, Any]]:
-        """Collectives per (axes, kind) per step, every program times its runs per step."""
+        """Collectives per (axes, kind) per step, every program times its runs per step (``fixup_bytes`` where
+        all-reduce-scatter fusions had fix-ups: testbed.runner.hlo_schedule)."""
         rows: dict[tuple[str, str], dict[str, Any]] = {}
         for program in self.programs:
             for c in program.collectives:
@@ -146,6 +148,8 @@ class CompileReport:
                 row["count"] += c.count * program.runs
                 row["bytes"] += c.bytes * program.runs
                 row["async"] += c.asynchronous * program.runs
+                if c.fixup_bytes:
+                    row["fixup_bytes"] = row.get("fixup_bytes", 0) + c.fixup_bytes * program.runs
         return [rows[k] for k in sorted(rows)]
 
     def to_dict(self) -> dict[str, Any]:
