@@ -1,22 +1,23 @@
-"""Which gradient reduce-scatters of matrices XLA:TPU compiles to all-reduces, probed by deviceless compiles (recorded).
+"""Which gradient reduce-scatters of matrices XLA:TPU keeps as all-reduces, probed by deviceless compiles (recorded).
 
-The recorded fsdp plans (benchmarks/xla_tpu/) all-reduce some weight matrices' gradients whole, padded and followed
-by collective-permutes, where testbed counts reduce-scatters (docs/xla_tpu.md, "fsdp reduce-scatters of matrices
-lowered as all-reduces"). ``--collect`` (libtpu needed; about a second a probe) compiles the smallest program that
-reproduces the choice for TPU slices without their chips (``jax.experimental.topologies.get_topology_desc``): a
-weight gradient, ``x.T @ dy`` of token-sharded ``x [tokens, R]`` and ``dy [tokens, C]``, reduce-scattered over a mesh
-axis along dim ``d`` (``jax.lax.psum_scatter``, as testbed.runner.param_shards reduces a gradient), for a grid of
-shapes and dtypes, and for each recorded fsdp plan its matrices' gradients (their local shapes under tensor
-parallelism, split along the fsdp shard dim: testbed.model.param_spec.shard_dim) in one program. It records, per
-probe, each compiled reduction's kind and shape as ``benchmarks/xla_tpu_probes/scatter_shapes.json`` with the date,
-the versions and the command.
+XLA:TPU's reduce-scatter decomposer rewrites a reduce-scatter as an all-reduce and a dynamic-slice; the all-reduce
+scatter fusion emits most of those as one reduce-scatter again (padded, with collective-permutes completing the
+shards), and the rest stay all-reduces (testbed.runner.hlo_schedule reads the fusion as the reduce-scatter it is).
+``--collect`` (libtpu needed; about a second a probe) compiles the smallest program that reproduces the choice for
+TPU slices without their chips (``jax.experimental.topologies.get_topology_desc``): a weight gradient, ``x.T @ dy``
+of token-sharded ``x [tokens, R]`` and ``dy [tokens, C]``, reduce-scattered over a mesh axis along dim ``d``
+(``jax.lax.psum_scatter``, as testbed.runner.param_shards reduces a gradient), for a grid of shapes and dtypes, for
+few-row shapes (:data:`ROWS`), and for each recorded fsdp plan its matrices' gradients (their local shapes under
+tensor parallelism, split along the fsdp shard dim: testbed.model.param_spec.shard_dim) in one program. It records,
+per probe, each compiled reduction as the step's reader sees it (kind, the shape as compiled, whether an
+all-reduce-scatter fusion) as ``benchmarks/xla_tpu_probes/scatter_shapes.json`` with the date, the versions and the
+command.
 
 Without ``--collect`` it reads that record (no JAX) and prints ONE JSON object: per slice and group, the probed
-shapes XLA:TPU all-reduces, per recorded plan the matrices its program all-reduces, and ``predicates``: the
-candidate predicates over the shard's shape, layout and dtype (:func:`candidates`) as classifiers over the grid
-(confusion counts). The choice depends on the matrix's shape, the split dim, the dtype and the slice, not on the
-contraction's length nor on the other gradients beside it; no candidate explains 95% of the probes, and testbed
-does not model it.
+shapes XLA:TPU keeps as all-reduces (and how many compiled to fusions), per recorded plan the matrices its program
+all-reduces, and ``predicates``: candidate predicates over the shard's shape, layout and dtype (:func:`candidates`)
+as classifiers over the probes (confusion counts), ``tiles`` among them the rule testbed models
+(testbed.model.scatter_lowering).
 
     PYTHONPATH=<libtpu site>:. python benchmarks/xla_tpu_scatter_shapes.py --collect
     python benchmarks/xla_tpu_scatter_shapes.py
@@ -41,9 +42,17 @@ MESHES = {"v5e:2x2": (4,), "v5p:4x4x4": (8, 8), "v5e:8x8": (4, 16)}
 #: The grid: rows R, columns C, the split dim, bytes per element (fp32 on the 2x2 slice only).
 GRID = [(r, c, d, b) for r, c, d, b in itertools.product((1024, 2048, 3072, 4096, 5376, 8192), (512, 1024, 2048, 4096),
                                                            (0, 1), (2, 4))]
+#: The rows probes (slice, rows R, columns C, the split dim, bytes per element): shards of few rows, split along the
+#: lanes (dim 1) and along the sublanes (dim 0), where the tiles run out (testbed.model.scatter_lowering).
+ROWS = ([("v5e:2x2", r, 1024, 1, b) for r in (1, 2, 3, 4, 5, 6, 8) for b in (2, 4)]
+        + [("v5e:2x2", r, 1024, 0, b) for r in (16, 32, 48, 64) for b in (2, 4)]
+        + [(s, r, 2048, 1, 2) for s in ("v5p:4x4x4", "v5e:8x8") for r in (3, 4, 5, 8)]
+        + [(s, MESHES[s][-1] * k, 2048, 0, 2) for s in ("v5p:4x4x4", "v5e:8x8") for k in (4, 8, 12, 16)])
 #: Rows of the contraction (tokens) each device holds; the choice does not depend on it (probed 512 to 8192).
 TOKENS = 2048
 _FOUND = re.compile(r"=\s*(\S+)\s.*?\b(all-reduce|reduce-scatter|collective-permute)(-start)?\(")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_SHAPE = re.compile(r"=\s*(\S+)\s")
 
 
 def _compile(slice_: str, shape: tuple[int, ...], axis: int, mats: list) -> list[dict]:
@@ -70,7 +79,25 @@ def _compile(slice_: str, shape: tuple[int, ...], axis: int, mats: list) -> list
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("a"),) * len(args),
                            out_specs=tuple(P("a") if d == 0 else P(None, "a") for *_, d, _ in mats), check_vma=False)
     text = jax.jit(mapped).lower(*args).compile().as_text()
-    return [{"kind": m.group(2), "shape": m.group(1)} for m in map(_FOUND.search, text.splitlines()) if m]
+    return compiled_reductions(text, mesh.devices.shape, mesh.axis_names)
+
+
+def compiled_reductions(text: str, shape: tuple[int, ...], names: tuple[str, ...]) -> list[dict]:
+    """The reductions of a compiled probe as testbed.runner.hlo_schedule reads them (an all-reduce-scatter fusion a
+    reduce-scatter, ``fused``; its fix-up permutes left out): kind, the instruction's shape as compiled."""
+    from testbed.runner import hlo_schedule
+
+    lines = {}
+    for comp in hlo_schedule.computations(text).values():
+        for line in comp.lines:
+            if (name := _NAME.match(line)) is not None:
+                lines[name.group(1)] = line
+    out = []
+    for c in hlo_schedule.collectives(text, tuple(shape), tuple(names)):
+        if c.fixes is None:
+            fused = c.kind == "reduce-scatter" and not _FOUND.search(lines.get(c.name, ""))
+            out.append({"kind": c.kind, "shape": _SHAPE.search(lines.get(c.name, "")).group(1), "fused": fused})
+    return out
 
 
 def plan_matrices() -> dict[str, tuple[str, tuple[int, ...], int, list]]:
@@ -116,6 +143,11 @@ def collect() -> dict:
             compiled = _compile(slice_, shape, len(shape) - 1, [("grid", r, c, d, b)])
             probes.append({"slice": slice_, "mesh": "x".join(map(str, shape)), "group": shape[-1], "rows": r,
                            "cols": c, "dim": d, "bytes": b, "compiled": compiled})
+    for slice_, r, c, d, b in ROWS:
+        shape = MESHES[slice_]
+        compiled = _compile(slice_, shape, len(shape) - 1, [("rows", r, c, d, b)])
+        probes.append({"slice": slice_, "mesh": "x".join(map(str, shape)), "group": shape[-1], "rows": r,
+                       "cols": c, "dim": d, "bytes": b, "compiled": compiled, "set": "rows"})
     for name, (slice_, shape, axis, mats) in plan_matrices().items():
         probes.append({"plan": name, "slice": slice_, "mesh": "x".join(map(str, shape)), "group": shape[axis],
                        "matrices": mats, "compiled": _compile(slice_, shape, axis, mats)})
@@ -141,8 +173,9 @@ def compare(record: dict) -> dict:
                                 "compiled": _kinds(p["compiled"]),
                                 "all_reduced": [c["shape"] for c in p["compiled"] if c["kind"] == "all-reduce"]}
             continue
-        row = grid.setdefault(f"{p['slice']} over {p['group']}", {"probed": 0, "all_reduced": []})
+        row = grid.setdefault(f"{p['slice']} over {p['group']}", {"probed": 0, "fused": 0, "all_reduced": []})
         row["probed"] += 1
+        row["fused"] += any(c.get("fused") for c in p["compiled"])
         if any(c["kind"] == "all-reduce" for c in p["compiled"]):
             row["all_reduced"].append(f"{p['rows']}x{p['cols']} d{p['dim']} {p['bytes']}B")
     return {"date": record["date"], "versions": record["versions"], "grid": grid, "plans": plans,
@@ -168,12 +201,16 @@ def candidates(p: dict) -> dict[str, bool]:
     """The candidate predicates of whether probe ``p``'s reduce-scatter is compiled to an all-reduce, by the shard's
     shape against the 8x128 tiles and its layout: ``lanes`` (a minor split all-reduced iff its shard is exactly one
     128-lane row of bf16; a major split never), ``shard`` (that, and a major split all-reduced iff its shard holds
-    SHARD_ELEMENTS or more), ``shard_pow2`` (that, and its shard's rows a power of two)."""
+    SHARD_ELEMENTS or more), ``shard_pow2`` (that, and its shard's rows a power of two), ``tiles`` (the rule
+    testbed models: testbed.model.scatter_lowering.lowered_shape, row-major)."""
+    from testbed.model.scatter_lowering import lowered_shape
+
     major, split, other = split_layout(p["rows"], p["cols"], p["dim"], p["group"])
     rows = split // p["group"]
     minor = not major and p["bytes"] == 2 and rows == LANES
     big = major and rows * other >= SHARD_ELEMENTS
-    return {"lanes": minor, "shard": minor or big, "shard_pow2": minor or (big and rows & (rows - 1) == 0)}
+    return {"lanes": minor, "shard": minor or big, "shard_pow2": minor or (big and rows & (rows - 1) == 0),
+            "tiles": lowered_shape((p["rows"], p["cols"]), p["dim"], p["group"], p["bytes"])}
 
 
 def classify(record: dict) -> dict:

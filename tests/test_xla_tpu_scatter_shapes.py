@@ -1,6 +1,6 @@
-"""The gradient reduce-scatter probes (benchmarks/xla_tpu_scatter_shapes.py, recorded deviceless compiles) against the
-recorded plans' compiles (benchmarks/xla_tpu/): a matrix's gradient that XLA:TPU all-reduces whole in a plan's step
-is all-reduced, padded alike, in the probe of that plan's matrices alone."""
+"""The gradient reduce-scatter probes (benchmarks/xla_tpu_scatter_shapes.py, recorded deviceless compiles): which
+reduce-scatters XLA:TPU keeps as all-reduces, read as testbed.runner.hlo_schedule reads a step (an all-reduce-scatter
+fusion a reduce-scatter), against testbed.model.scatter_lowering's rule."""
 
 from __future__ import annotations
 
@@ -30,56 +30,56 @@ def _bytes(shape: str) -> int:
     return math.prod(int(x) for x in dims.split(",")) * (2 if dtype == "bf16" else 4)
 
 
+def _grid() -> list[dict]:
+    return [p for p in RECORD["probes"] if "plan" not in p]
+
+
+def _lowered(p: dict) -> bool:
+    return any(c["kind"] == "all-reduce" for c in p["compiled"])
+
+
 def test_probes_are_recorded_with_their_provenance():
     module = _benchmark()
-    grid = [p for p in RECORD["probes"] if "plan" not in p]
+    grid = [p for p in _grid() if p.get("set") != "rows"]
     assert RECORD["versions"]["libtpu"] and RECORD["command"].endswith("--collect")
     expected = sum(1 for s in module.MESHES for *_, b in module.GRID if b == 2 or s == "v5e:2x2")
     assert len(grid) == expected and all(p["compiled"] for p in RECORD["probes"])
+    assert len([p for p in _grid() if p.get("set") == "rows"]) == len(module.ROWS)
 
 
-def test_the_probe_all_reduces_the_matrices_the_plans_steps_all_reduce():
-    """Over a whole v5e 2x2 slice and 8 of a v5p 4x4x4's 64 chips, each matrix gradient XLA:TPU all-reduces whole in
-    the recorded step (gpt1k-fsdp4-full: the tables and ``mlp/w2``; llama2k-fsdp4-fp32: the tables, ``attn/wq`` and
-    ``attn/wo``; llama2k-data8-fsdp8-selective: the tables and the MLP's three) is all-reduced in its plan's probe,
-    at the same padded bytes, and no other."""
-    plans = {p["plan"]: p for p in RECORD["probes"] if "plan" in p}
-    for name in ("gpt1k-fsdp4-full", "llama2k-fsdp4-fp32", "llama2k-data8-fsdp8-selective"):
-        compiled = json.loads((ROOT / "benchmarks" / "xla_tpu" / f"{name}.json").read_text())
-        step = {i["bytes"] for p in compiled["report"]["programs"] for i in p["instructions"]
-                if i["axes"] == "fsdp" and i["kind"] == "all-reduce" and i["bytes"] > MATRIX_BYTES}
-        probe = {_bytes(c["shape"]) for c in plans[name]["compiled"] if c["kind"] == "all-reduce"}
-        assert {b for b in probe if b > MATRIX_BYTES} == step, name
-
-
-def test_the_choice_is_the_shapes_not_the_sizes():
-    """Over a whole v5e 2x2 slice a ``[4096, 1024]`` gradient split along its rows is all-reduced where the same
-    elements as ``[1024, 4096]`` split along its columns stay a reduce-scatter, and ``[5376, 4096]`` (five times the
-    bytes) too: no size bound tells them apart."""
-    def lowered(rows: int, cols: int, dim: int) -> bool:
-        probe = next(p for p in RECORD["probes"] if "plan" not in p and p["slice"] == "v5e:2x2" and
-                     (p["rows"], p["cols"], p["dim"], p["bytes"]) == (rows, cols, dim, 2))
-        return any(c["kind"] == "all-reduce" for c in probe["compiled"])
-    assert lowered(4096, 1024, 0) and not lowered(1024, 4096, 1) and not lowered(5376, 4096, 0)
+def test_an_all_reduce_scatter_fusion_is_a_reduce_scatter_not_an_all_reduce():
+    """Over a whole v5e 2x2 slice a ``[4096, 1024]`` bf16 gradient split along its rows compiles to an all-reduce-scatter
+    fusion (a reduce-scatter, padded), where ``[1024, 512]`` split along its columns (one 128-lane row a device) is an
+    all-reduce and in fp32 a reduce-scatter."""
+    def probe(rows: int, cols: int, dim: int, nbytes: int) -> dict:
+        return next(p for p in _grid() if p["slice"] == "v5e:2x2" and
+                    (p["rows"], p["cols"], p["dim"], p["bytes"]) == (rows, cols, dim, nbytes))
+    fused = probe(4096, 1024, 0, 2)
+    assert not _lowered(fused) and any(c["fused"] for c in fused["compiled"])
+    assert _lowered(probe(1024, 512, 1, 2)) and not _lowered(probe(1024, 512, 1, 4))
 
 
 def test_a_column_split_not_whole_lanes_is_laid_out_split_major():
     """A gradient split along its columns whose shard is not whole 128-lane rows is compiled column-major
     (layout ``{0,1}``: the split dim major, as a row split is), one whose shard is whole rows row-major."""
     module = _benchmark()
-    for p in (p for p in RECORD["probes"] if "plan" not in p and p["dim"] == 1):
+    for p in (p for p in _grid() if p["dim"] == 1 and p["rows"] >= 1024):
         layout = re.search(r"\{([\d,]+)", p["compiled"][0]["shape"]).group(1)
         major = module.split_layout(p["rows"], p["cols"], p["dim"], p["group"])[0]
         assert layout == ("0,1" if major else "1,0"), p
 
 
-def test_no_candidate_predicate_explains_95_percent_of_the_probes():
-    """The candidate predicates over the shard's shape against the 8x128 tiles, its layout and dtype
-    (benchmarks/xla_tpu_scatter_shapes.candidates): a minor split is all-reduced iff its shard is exactly one
-    128-lane row of bf16 (every minor split probed), but no bound on a major split's shard, with or without its rows
-    a power of two, explains 95% of the 192 probes (the bar for modelling it: docs/xla_tpu.md)."""
+def test_the_tiles_rule_explains_every_probe_but_two():
+    """testbed.model.scatter_lowering's rule (``tiles``) says which reduce-scatter stays an all-reduce on every probe
+    of the grid and the few-row shapes over the three slices but the 8-row sublane shards over 4 chips (bf16 and
+    fp32: all-reduced, where over 8 and 16 chips 8 rows stay reduce-scatters); the 128-lane rule alone misses the
+    few-row ones."""
+    from testbed.model.scatter_lowering import lowered_shape
+
     result = _benchmark().classify(RECORD)
-    lanes = result["lanes"]
-    assert lanes["all"]["fp"] == 0 and lanes["all"]["fn"] == lanes["major"]["fn"]  # every miss is a major split
-    assert sum(result["shard"]["all"][k] for k in ("tp", "fp", "fn", "tn")) == 192
-    assert max(row["all"]["explained"] for row in result.values()) < 0.95
+    tiles, lanes = result["tiles"]["all"], result["lanes"]["all"]
+    assert tiles["tp"] + tiles["fp"] + tiles["fn"] + tiles["tn"] == len(_grid())
+    missed = {(p["slice"], p["rows"], p["cols"], p["dim"], p["bytes"]) for p in _grid()
+              if lowered_shape((p["rows"], p["cols"]), p["dim"], p["group"], p["bytes"]) != _lowered(p)}
+    assert missed == {("v5e:2x2", 32, 1024, 0, 2), ("v5e:2x2", 32, 1024, 0, 4)}
+    assert lanes["fn"] > tiles["fn"] and lanes["fp"] == 0

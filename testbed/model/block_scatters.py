@@ -10,6 +10,7 @@ import functools
 import math
 
 from testbed.model import layout, xla_tpu
+from testbed.model.scatter_lowering import lowered_matrix
 from testbed.model.blocks import SHARE_QUANTUM, _chunk_pieces, _merge_mesh
 from testbed.model.leaves import issue_order
 from testbed.plan.sharding import state_sharding
@@ -194,7 +195,7 @@ def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
         read, member = frozenset(() if late else (block,)), (i, q, block, "late" if late else kinds[block])
         if packed and not math.isinf(combine_bytes):
             continue  # merged below, in the parameters' pytree order
-        if vectors and _rank_one(q, mesh, ways):
+        if vectors and (_rank_one(q, mesh, ways) or lowered_matrix(q, mesh, ways, bytes_per_element)):
             flat = [(flat[0] if flat else 0.0) + size, (flat[1] if flat else []) + [(i, q, block, "late")]]
         elif math.isinf(combine_bytes) or size > combine_bytes:
             groups.append([size, block, i, late, read, [member], ""])  # unbounded: one per block (summed); over: alone

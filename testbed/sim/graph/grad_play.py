@@ -65,11 +65,23 @@ class GradPlay:
 
     def _bucket(self, s: int, after: int, bucket_of: GradBucket) -> None:
         """One bucket of gradients: reduced at once when they accumulate sharded, else kept for the update."""
-        if self.facts.reduce_in_backward:  # the loss's sum rides in the stage's first where merged (loss_merged)
-            first = self.facts.loss_merged and not self.reduce_tasks[s]
-            self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of, loss=LOSS_BYTES if first else 0.0))
+        if self.facts.reduce_in_backward:
+            loss = LOSS_BYTES if self._carries_loss(s, bucket_of) else 0.0
+            self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of, loss=loss))
         else:
             self.once[s].append(bucket_of)
+
+    def _carries_loss(self, s: int, bucket_of: GradBucket) -> bool:
+        """Whether the loss's sum rides in this bucket's all-reduce (testbed.plan.sharding.loss_merged): the stage's
+        first that is one over the loss's axes (every bucket's where the dense gradients are unsharded or their
+        reduce-scatter is that all-reduce; else the rank-1 gradients' all-reduce, testbed.sim.xla.xla_tpu.merges_loss)."""
+        facts = self.facts
+        if not facts.loss_merged or self.loss_placed[s]:
+            return False
+        dense = [r for r in facts.reductions if not (r.expert or r.sequence)]
+        whole = all(not r.sharded or r.scatter_op == "all_reduce" for r in dense)
+        self.loss_placed[s] = whole or bucket_of.op == "all_reduce"
+        return self.loss_placed[s]
 
     def _accumulate(self, s: int, chunk: ChunkFacts, label: str, after: int, buckets) -> None:
         """An earlier microbatch's ``buckets`` (ChunkFacts.bucket of one block) reduce-scattered into the sharded

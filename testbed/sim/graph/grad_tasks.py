@@ -89,8 +89,9 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
             # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).
             n = max(1, round(leaves * size / nbytes)) if leaves else 1
             scatter = op if op and not (r.expert or r.sequence) else r.scatter_op
-            # The loss rides in a whole slice's all-reduce of the dense gradients (testbed.sim.xla.xla_tpu.merges_loss).
-            merged = loss if r.scatter_op == "all_reduce" and not (r.expert or r.sequence or r.rest) else 0.0
+            # The loss rides in a whole slice's all-reduce of the dense gradients, or of the rank-1 ones
+            # (testbed.sim.xla.xla_tpu.merges_loss).
+            merged = loss if scatter == "all_reduce" and not (r.expert or r.sequence or r.rest) else 0.0
             last = b.add(name=f"{scatter} {label}{kind}", device=rep, stream=stream,
                          kind=TaskKind.COLLECTIVE, deps=(last,), op=scatter, nbytes=(size + merged) / n, count=n,
                          group=rep_group(g, rep), instances=g)

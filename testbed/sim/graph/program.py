@@ -175,6 +175,7 @@ class _Graph(SpanPlay, GradPlay):
         self.sent: dict[tuple, int] = {}  # (that key, dst stage) -> its send task
         self.pairs: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}  # stage_pairs, memoized
         self.reduce_tasks: dict[int, list[int]] = {s: [] for s in range(p)}
+        self.loss_placed = [False] * p  # the loss's sum has joined one of the stage's gradient all-reduces
         self.once: dict[int, list[GradBucket]] = {s: [] for s in range(p)}  # buckets reduced after the backward
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)

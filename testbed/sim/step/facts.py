@@ -128,8 +128,10 @@ class StepFacts:
     @property
     def loss_merged(self) -> bool:
         """Whether the loss's all-reduce rides in the gradients' (testbed.plan.sharding.loss_merged; their
-        reduce-scatter an all-reduce over the loss's axes where testbed.sim.xla.xla_tpu.merges_loss)."""
-        return loss_merged(self.plan, self.reduce_bytes, merges_loss(self.reductions))
+        reduce-scatter, or the rank-1 ones', an all-reduce over the loss's axes where testbed.sim.xla.xla_tpu.
+        merges_loss)."""
+        vectors = any("all_reduce" in ops for stage in self.chunks for chunk in stage for ops in chunk.bucket_ops)
+        return loss_merged(self.plan, self.reduce_bytes, merges_loss(self.reductions, vectors))
 
     @property
     def scatter_sends(self) -> int:

@@ -38,7 +38,8 @@ recorded plans behind each rule: docs/xla_tpu.md, "XLA:TPU's collectives, probed
   over a whole slice or part of one, merged by the all-reduce combiner (benchmarks/xla_tpu_vectors.py). A plan's
   rank-1 leaves and those held flat (ParamSpec.padded) follow it: their gathers merged as the whole slice's small
   gathers are, their gradients' reduce-scatters one all-reduce at the backward's end
-  (testbed.model.block_scatters.scatter_ops).
+  (testbed.model.block_scatters.scatter_ops). So do the weight matrices whose gradient's shard is not whole tiles
+  of its layout (testbed.model.scatter_lowering: one 128-lane bf16 row, or a few rows), merged with them.
 - :func:`keeps_recomputed_gathers` (:func:`regathers_sequence` for a plan, :func:`regathered` for a traced program):
   where a checkpoint recomputes layers, the backward gathers each of the forward's activation all-gathers again (the
   recomputation's inputs sit behind an optimization barrier); a parameter's gather is not repeated. The copies run
@@ -176,11 +177,15 @@ def shard_sum_count(nbytes: float, allreduce_bytes: float | None) -> int:
     return 1 if allreduce_bytes is None else max(1, math.ceil(nbytes / allreduce_bytes))
 
 
-def merges_loss(reductions: tuple) -> bool:
+def merges_loss(reductions: tuple, vectors: bool = False) -> bool:
     """Whether the dense gradients' sum is one all-reduce over the axes the loss sums over (:func:`lowered_reductions`:
     a whole slice's reduce-scatter, nothing summed after it), which the combiner lets an fp32 loss join
-    (testbed.plan.sharding.loss_merged; llama2k-fsdp16-fp32-selective: the loss's 4 bytes in a gradient all-reduce)."""
-    return any(r.scatter_op == "all_reduce" and not r.rest and not (r.expert or r.sequence) for r in reductions)
+    (testbed.plan.sharding.loss_merged; llama2k-fsdp16-fp32-selective: the loss's 4 bytes in a gradient all-reduce);
+    or, with ``vectors`` (the rank-1 gradients' reduce-scatters one all-reduce: testbed.model.block_scatters.
+    scatter_ops), those sharded over every axis the loss sums over (llama2k-fsdp4-fp32 over a v5e 2x2 slice: the
+    loss's 4 bytes in the norms' fp32 all-reduce over fsdp)."""
+    return any((r.scatter_op == "all_reduce" or (vectors and r.sharded)) and not r.rest and not (r.expert or r.sequence)
+               for r in reductions)
 
 
 def narrows_gathers(topology: Topology) -> bool:
