@@ -40,6 +40,12 @@ recorded plans behind each rule: docs/xla_tpu.md, "XLA:TPU's collectives, probed
   gathers are, their gradients' reduce-scatters one all-reduce at the backward's end
   (testbed.model.block_scatters.scatter_ops). So do the weight matrices whose gradient's shard is not whole tiles
   of its layout (testbed.model.scatter_lowering: one 128-lane bf16 row, or a few rows), merged with them.
+- :func:`scatters_whole_sequence`: a sequence-parallel reduce-scatter over tensor of an activation holding one
+  sequence a device (``[1, seq, d]`` split along the sequence) is an all-reduce of the whole activation, of two
+  sequences a reduce-scatter, on every slice probed (4 of a v5e 2x2, 4 of 4x4, 4 of 8x8, 4 of 16x16, 8 of a v5p
+  4x4x4: ``benchmarks/xla_tpu_scatter_shapes.py``'s sequence probes; gpt2k-fsdp8-tensor8-sp,
+  llama4k-fsdp64-tensor4-sp), and over every chip of a slice :func:`scatters_as_allreduce` names an all-reduce
+  at any batch (v5p 2x2x2, v5e 4x4; v5e 2x4 and 2x2 stay reduce-scatters).
 - :func:`keeps_recomputed_gathers` (:func:`regathers_sequence` for a plan, :func:`regathered` for a traced program):
   where a checkpoint recomputes layers, the backward gathers each of the forward's activation all-gathers again (the
   recomputation's inputs sit behind an optimization barrier); a parameter's gather is not repeated. The copies run
@@ -69,7 +75,7 @@ from testbed.topology.spec import Topology
 if TYPE_CHECKING:
     from testbed.sim.xla.workload import Workload
 
-__all__ = ["scatters_as_allreduce", "packs_allreduces", "merges_shard_sums", "merged_shard_sums", "shard_sum_count", "keeps_recomputed_gathers", "regathers_sequence", "regathered",
+__all__ = ["scatters_as_allreduce", "packs_allreduces", "merges_shard_sums", "merged_shard_sums", "shard_sum_count", "keeps_recomputed_gathers", "regathers_sequence", "regathered", "scatters_whole_sequence",
            "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
            "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
            "sequence_gather_bytes",
@@ -115,6 +121,16 @@ def regathers_sequence(plan: Plan, xla_tpu: bool) -> bool:
     checkpoint's barrier, with or without remat: the recorded plans hold them under selective and full remat and
     under fsdp without remat (gpt2k-fsdp16-tensor4-sp, gpt2k-fsdp8-tensor8-sp)."""
     return xla_tpu and plan.sequence_parallel and plan.mesh.tensor > 1
+
+
+def scatters_whole_sequence(plan: Plan, xla_tpu: bool, whole_slice: bool = False) -> bool:
+    """Whether sequence parallelism's reduce-scatters over tensor (testbed.sim.step.action_work.tensor_transfers: the
+    row-parallel outputs' and the input gradients') are all-reduces of the whole activation (module docstring):
+    where ``xla_tpu`` (the same flag as :func:`regathers_sequence`) and a device holds one sequence a microbatch, or
+    the tensor axis spans every device where ``whole_slice`` (:func:`scatters_as_allreduce` of the topology)."""
+    if not (xla_tpu and plan.sequence_parallel and plan.mesh.tensor > 1):
+        return False
+    return plan.microbatch_size == 1 or (whole_slice and plan.mesh.tensor == plan.mesh.size)
 
 
 def lowered_reductions(reductions: tuple, mesh: MeshSpec, whole_slice: bool) -> tuple:
