@@ -81,3 +81,15 @@ def sampled_plans(model: str, devices: int, count: int, seed: int) -> list:
     plans = list(candidates(preset_plan(model), devices, space))
     random.Random(seed).shuffle(plans)
     return plans[:count]
+
+
+def benchmark_module(name: str):
+    """The module of ``benchmarks/<name>.py``, loaded from its file (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,11 +4,12 @@ fusion a reduce-scatter), against testbed.model.scatter_lowering's rule."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
 from pathlib import Path
+
+from helpers import benchmark_module
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = json.loads((ROOT / "benchmarks" / "xla_tpu_probes" / "scatter_shapes.json").read_text())
@@ -17,11 +18,7 @@ MATRIX_BYTES = 2 ** 20
 
 
 def _benchmark():
-    path = ROOT / "benchmarks" / "xla_tpu_scatter_shapes.py"
-    spec = importlib.util.spec_from_file_location("xla_tpu_scatter_shapes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("xla_tpu_scatter_shapes")
 
 
 def _bytes(shape: str) -> int:

@@ -4,9 +4,10 @@ transfers both tiers price."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from helpers import benchmark_module
 
 from testbed.model.costs import chunk_cost
 from testbed.plan.io import plan_from_dict
@@ -18,11 +19,7 @@ RECORD = json.loads((ROOT / "benchmarks" / "xla_tpu_probes" / "sequence_scatters
 
 
 def _benchmark():
-    path = ROOT / "benchmarks" / "xla_tpu_sequence_scatters.py"
-    spec = importlib.util.spec_from_file_location("xla_tpu_sequence_scatters", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("xla_tpu_sequence_scatters")
 
 
 def test_the_rule_says_every_probes_kind():
