@@ -8,9 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from testbed.collectives.routed import topology_memo
 from testbed.explore.analytic import estimate
-from testbed.explore.block_memo import StepBlocks, from_start
+from testbed.explore.block_memo import StepBlocks, from_start, shared_plays
 from testbed.explore.held_blocks import held_blocks
 from testbed.plan.io import load_plan
 from testbed.plan.spec import Axis
@@ -54,7 +53,7 @@ def test_a_kept_play_is_the_play_again_to_the_bit() -> None:
     what a memo of its own plays (times exact in binary, so moving them rounds nothing)."""
     topology = load_topology("tpu-v5e-4x4")
     first = _from_start(StepBlocks(topology), 10.0, 7.5, [6.0, 8.0, 9.0])
-    kept = topology_memo(topology)["blocks"]
+    kept = shared_plays(topology)
     size = len(kept.plays)
     again = _from_start(StepBlocks(topology), 20.0, 17.5, [16.0, 18.0, 19.0])
     assert len(kept.plays) == size  # played once
@@ -78,7 +77,7 @@ def test_an_estimate_is_the_same_with_its_blocks_kept(topology_name: str, microb
     plan = replace(plan, topology=None, mesh=replace(plan.mesh, fsdp=topology.num_devices),
                    batch=replace(plan.batch, microbatches=microbatches))
     first = estimate(plan, topology).step_time_s
-    kept = topology_memo(topology)["blocks"]
+    kept = shared_plays(topology)
     assert kept.plays
     assert estimate(plan, topology).step_time_s == first
     kept.plays.clear()

@@ -6,8 +6,8 @@ a missing one time 0 of the step), then every time of the play moved by the star
 
 A stage's alike actions (each microbatch's of a chunk) meet the same times from their start over and over, and plans
 alike in a stage's actions (a search's many) play them alike, so each such play is kept (:class:`StepBlocks`, one per
-testbed.explore.prices.StepPrices, over a memo of its topology's) under all its blocks are played from and those
-times, to the bit: a hit is what playing the blocks again would give.
+testbed.explore.prices.StepPrices, over the memo of its topology, the latest one's: a search plays on one) under all
+its blocks are played from and those times, to the bit: a hit is what playing the blocks again would give.
 """
 
 from __future__ import annotations
@@ -15,16 +15,17 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
-from testbed.collectives.routed import topology_memo
 from testbed.explore.held_blocks import HeldPlay, Part, held_blocks
 from testbed.explore.span_times import Played, PricedBlock, play_blocks
 from testbed.explore.stage_collectives import StageCollectives
 from testbed.topology import Topology
 
-__all__ = ["StepBlocks", "from_start", "spans_from_start"]
+__all__ = ["StepBlocks", "from_start", "shared_plays", "spans_from_start"]
 
-#: At most this many plays kept per topology (then emptied).
+#: At most this many plays kept (then emptied; a few KB each).
 MAX_PLAYS = 50_000
+#: The latest topology a step was priced on, and the plays kept for it (:func:`shared_plays`).
+_LATEST: list = [None, None]
 
 
 class _Shared:
@@ -55,12 +56,20 @@ class _Shared:
         return hit
 
 
+def shared_plays(topology: Topology) -> _Shared:
+    """The plays kept for ``topology``: the latest topology's only (a new one drops the last one's; the topology is
+    kept with them, so its id is its own)."""
+    if _LATEST[0] is not topology:
+        _LATEST[:] = [topology, _Shared()]
+    return _LATEST[1]
+
+
 class StepBlocks:
     """One step's blocks played from their start over its topology's memo: the step's own keys of its actions
     (the caller's, each naming one content for the step's life) numbered as the topology's memo numbers them."""
 
     def __init__(self, topology: Topology) -> None:
-        self.shared: _Shared = topology_memo(topology).setdefault("blocks", _Shared())
+        self.shared = shared_plays(topology)
         self.own: dict[tuple, int] = {}
 
     def held(self, key: tuple, stage: int, coll: StageCollectives, gathers: Sequence[Sequence[Part]],
