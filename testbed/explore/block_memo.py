@@ -48,6 +48,7 @@ class _Shared:
         return hit[0]
 
     def play(self, key: tuple, played: Callable[[], object]) -> object:
+        """The play kept under ``key`` (a content's number and its times), else ``played()``, kept."""
         hit = self.plays.get(key)
         if hit is None:
             if len(self.plays) > MAX_PLAYS:
