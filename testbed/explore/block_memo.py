@@ -83,10 +83,9 @@ class StepBlocks:
             number = self.own[key] = self.shared.number(
                 ("held", stage, coll.placement, prefetch, gathers, parts, held, held_gathers), None)
         free, tail = from_start(start, gather_free, before, prefetch)
-        hit = self.shared.play((number, free, tail), lambda: held_blocks(
-            gathers, parts, held, 0.0, free, list(tail), prefetch, lambda a, b: coll.factor(stage, a, b), held_gathers))
-        return HeldPlay([start + x for x in hit.ends], list(hit.held), start + hit.gather_end,
-                        [(start + a, start + b) for a, b in hit.flying])
+        ends, took, end, flying = self.shared.play((number, free, tail), lambda: _kept(held_blocks(
+            gathers, parts, held, 0.0, free, list(tail), prefetch, lambda a, b: coll.factor(stage, a, b), held_gathers)))
+        return HeldPlay([start + x for x in ends], list(took), start + end, [(start + a, start + b) for a, b in flying])
 
     def spans(self, key: tuple, plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], start: float,
               gather_free: float, before: Sequence[float], prefetch: int, scale: tuple[float, ...]) -> Played:
@@ -98,7 +97,8 @@ class StepBlocks:
                                                         tuple(b.play for b in plays))
         free, tail = from_start(start, gather_free, before, prefetch)
         return _moved(self.shared.play((number, free, tail),
-                                       lambda: play_blocks(plays, gathers, 0.0, free, tail, prefetch, scale)), start)
+                                       lambda: _kept(play_blocks(plays, gathers, 0.0, free, tail, prefetch, scale))),
+                      start)
 
 
 def from_start(start: float, gather_free: float, before: Sequence[float], prefetch: int
@@ -116,8 +116,13 @@ def spans_from_start(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...],
     return _moved(play_blocks(plays, gathers, 0.0, free, tail, prefetch, scale), start)
 
 
-def _moved(hit: Played, start: float) -> Played:
-    """A play from time 0, every time of it moved by ``start``."""
-    return Played([start + x for x in hit.starts], [start + x for x in hit.ends], [start + x for x in hit.dones],
-                  start + hit.gather_end, [(start + a, start + b) for a, b in hit.flying],
-                  [(start + at, x) for at, x in hit.releases])
+def _moved(hit: tuple, start: float) -> Played:
+    """A play from time 0 (a Played, or as :func:`_kept` keeps it), every time of it moved by ``start``."""
+    starts, ends, dones, end, flying, releases = hit
+    return Played([start + x for x in starts], [start + x for x in ends], [start + x for x in dones], start + end,
+                  [(start + a, start + b) for a, b in flying], [(start + at, x) for at, x in releases])
+
+
+def _kept(played: tuple) -> tuple:
+    """A play (HeldPlay, Played) as kept: a plain tuple of tuples, which the cyclic collector stops tracking."""
+    return tuple(tuple(x) if isinstance(x, list) else x for x in played)
