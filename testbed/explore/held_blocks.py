@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from testbed.explore.stage_collectives import Transfer
-from testbed.sim.step.step_rules import gather_after
 
 __all__ = ["Part", "HeldPlay", "held_blocks"]
 
@@ -36,54 +35,6 @@ class HeldPlay(NamedTuple):
     flying: list[tuple[float, float]]
 
 
-class _Gathers:
-    """The gather stream: block ``block``'s merged gathers (``gathers``), the one in flight (``left`` seconds of its
-    work, None: none), when the stream is free and when each block's gathers began and ended."""
-
-    def __init__(self, gathers: Sequence[Sequence[Part]], free: float) -> None:
-        self.gathers, self.free, self.block, self.merge, self.left = gathers, free, 0, 0, None
-        self.begun: list[float] = []
-        self.done: list[float] = []
-
-    def key(self) -> Transfer | None:
-        return self.gathers[self.block][self.merge][1] if self.left is not None else None
-
-    def begin(self, t: float, after: Callable[[int], float | None]) -> float:
-        """Starts the next gather at ``t`` if it may (``after(block)``: what the block's gathers wait for, None: not
-        known yet); returns when it may start instead (inf: not known, or one is in flight)."""
-        while self.left is None and self.block < len(self.gathers):
-            if self.merge == 0:
-                at = after(self.block)
-                if at is None:
-                    return math.inf
-                at = max(self.free, at)
-                if at > t:
-                    return at
-                self.begun.append(t)
-            merges = self.gathers[self.block]
-            if self.merge < len(merges):
-                self.left = merges[self.merge][0]
-                return math.inf
-            self._block_done(t)
-        return math.inf
-
-    def advance(self, t: float, dt: float, rate: float) -> bool:
-        """``dt`` seconds at ``rate`` pass, now ``t``; True when the gather in flight is done."""
-        if self.left is None:
-            return False
-        self.left -= dt * rate
-        if self.left > _DONE:
-            return False
-        self.left, self.merge = None, self.merge + 1
-        if self.merge == len(self.gathers[self.block]):
-            self._block_done(t)
-        return True
-
-    def _block_done(self, t: float) -> None:
-        self.done.append(t)
-        self.free, self.block, self.merge = t, self.block + 1, 0
-
-
 def held_blocks(gathers: Sequence[Sequence[Part]], parts: Sequence[float], held: Sequence[Sequence[Part]],
                 start: float, gather_free: float, before: list[float], prefetch: int,
                 factor: Callable[[Transfer, Transfer], float], held_gathers: Sequence[Sequence[Part]] = ()
@@ -91,47 +42,84 @@ def held_blocks(gathers: Sequence[Sequence[Part]], parts: Sequence[float], held:
     """The blocks (module docstring): block ``i``'s merged ``gathers`` on the gather stream, and on the compute stream
     its ``held_gathers`` (empty: none), its compute ``parts[i]`` from ``start`` on once its gathers are done, then its
     ``held`` reductions; the gathers from ``gather_free`` on (``before``, ``prefetch``: gather_after's);
-    ``factor(a, b)``: the share of their speed two transfers in flight together run at."""
-    n = len(parts)
-    g, ends, took = _Gathers(gathers, gather_free), [], []
+    ``factor(a, b)``: the share of their speed two transfers in flight together run at. Block ``k``'s gathers start
+    once the stream is free and the block testbed.sim.step.step_rules.gather_after names has computed (inlined: the
+    hottest loop of the analytic tier on a TPU)."""
+    n, inf, ends, took = len(parts), math.inf, [], []
     own = held_gathers or ((),) * n
+    # the gather stream: its block and merge, the one in flight's work left (None: none), when it is free, and when
+    # each block's gathers began and ended (as _Gathers)
+    block, merge, gleft, gfree, begun, done, blocks = 0, 0, None, gather_free, [], [], len(gathers)
     # phase 0: waits, 1: computes, 2: held reductions, 3: held gathers; h: the held collective in flight
     t, i, phase, left, h, wake = min(start, gather_free), 0, 0, 0.0, 0, start
-
-    def after(k: int) -> float | None:
-        return gather_after(k, prefetch, ends, before) or 0.0 if k - 1 - prefetch < len(ends) else None
+    back, rates = len(before) - 1 - prefetch, {}
     while i < n:
-        pending = g.begin(t, after)
+        pending = inf  # _Gathers.begin
+        while gleft is None and block < blocks:
+            if merge == 0:
+                j = block - 1 - prefetch
+                if j >= len(ends):
+                    break
+                at = (ends[j] if j >= 0 else before[back + block] if back + block >= 0 else None) or 0.0
+                at = max(gfree, at)
+                if at > t:
+                    pending = at
+                    break
+                begun.append(t)
+            merges = gathers[block]
+            if merge < len(merges):
+                gleft = merges[merge][0]
+                break
+            done.append(t)
+            gfree, block, merge = t, block + 1, 0
         if phase == 0:
-            wake = max(start, after(i) or 0.0)  # known: block i - 1 - prefetch has computed
+            j = i - 1 - prefetch  # known: block i - 1 - prefetch has computed
+            wake = max(start, (ends[j] if j >= 0 else before[back + i] if back + i >= 0 else None) or 0.0)
             if t >= wake and h < len(own[i]):
                 phase, left = 3, own[i][h][0]
-            elif t >= wake and len(g.done) > i:
+            elif t >= wake and len(done) > i:
                 phase, left = 1, parts[i]
         key = held[i][h][1] if phase == 2 else own[i][h][1] if phase == 3 else None
-        other = g.key()
-        rate = factor(key, other) if key is not None and other is not None else 1.0
-        dt = min(pending - t, wake - t if phase == 0 and t < wake else math.inf,
-                 left / rate if phase else math.inf, g.left / rate if g.left is not None else math.inf)
+        other = gathers[block][merge][1] if gleft is not None else None
+        if key is None or other is None:
+            rate = 1.0
+        elif (rate := rates.get((key, other))) is None:
+            rate = rates[(key, other)] = factor(key, other)
+        dt = min(pending - t, wake - t if phase == 0 and t < wake else inf,
+                 left / rate if phase else inf, gleft / rate if gleft is not None else inf)
         if not math.isfinite(dt):  # the compute waits for a gather still in flight
             raise RuntimeError("held_blocks: nothing left to play")  # unreachable: a gather is in flight or pending
         t += dt
-        g.advance(t, dt, rate)
+        if gleft is not None:  # _Gathers.advance
+            gleft -= dt * rate
+            if gleft <= _DONE:
+                gleft, merge = None, merge + 1
+                if merge == len(gathers[block]):
+                    done.append(t)
+                    gfree, block, merge = t, block + 1, 0
         if phase:
             left -= dt * rate
-            while phase and left <= _DONE:
-                if phase == 1:
-                    ends.append(t)
-                    phase, h = 2, 0
-                else:
-                    h += 1
-                queue = own[i] if phase == 3 else held[i]
-                if h < len(queue):
-                    left = queue[h][0]
-                elif phase == 3:  # the block's held gathers done: it waits for those on the gather stream
-                    phase = 0
-                else:
-                    took.append(t - ends[i])
-                    phase, i, h = 0, i + 1, 0
-    flying = list(zip(g.begun, g.done))
-    return HeldPlay(ends, took, g.done[-1] if g.done else gather_free, flying)
+            if left <= _DONE:
+                phase, i, h, left = _next(phase, i, h, left, t, own, held, ends, took)
+    return HeldPlay(ends, took, done[-1] if done else gather_free, list(zip(begun, done)))
+
+
+def _next(phase: int, i: int, h: int, left: float, t: float, own: Sequence[Sequence[Part]],
+          held: Sequence[Sequence[Part]], ends: list[float], took: list[float]) -> tuple[int, int, int, float]:
+    """:func:`held_blocks`' compute stream at ``t``, its work in flight done: (phase, block, held collective, work
+    left) next, each block's end and held reductions' seconds added to ``ends`` and ``took`` as they are done."""
+    while phase and left <= _DONE:
+        if phase == 1:
+            ends.append(t)
+            phase, h = 2, 0
+        else:
+            h += 1
+        queue = own[i] if phase == 3 else held[i]
+        if h < len(queue):
+            left = queue[h][0]
+        elif phase == 3:  # the block's held gathers done: it waits for those on the gather stream
+            phase = 0
+        else:
+            took.append(t - ends[i])
+            phase, i, h = 0, i + 1, 0
+    return phase, i, h, left

@@ -17,9 +17,9 @@ import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from testbed.plan.spec import Axis
-from testbed.explore.held_blocks import held_blocks
+from testbed.explore.block_memo import spans_from_start
 from testbed.explore.play_floor import SAFETY, AboveBar, action_floors, beside_compute, stage_rests
-from testbed.explore.span_times import Played, play_blocks
+from testbed.explore.span_times import Played
 from testbed.sim.price.barriers import interleaved_wait, step_end_wait
 from testbed.sim.step.memo import Waits
 from testbed.sim.step.update_facts import update_seconds
@@ -147,13 +147,14 @@ class Play:
         parts = (priced.parts if self.slow == 1.0 else tuple(self.slow * x for x in priced.parts)) if priced.parts \
             else (c,) * n
         held = priced.held_parts if grads.release else priced.scatter_parts if grads.each else ()
+        key = (id(priced), s, self.slow, wait, id(held))  # what the blocks play from but the times (block_memo)
         if priced.gather_parts and (len(held) == n or priced.held_gathers) and not priced.plays:
-            return self._held_blocks(s, priced, held if len(held) == n else (), wait, start, parts)
+            return self._held_blocks(s, priced, held if len(held) == n else (), wait, start, parts, key)
         return self._gathered_blocks(s, tuple(x + wait for x in gathers) if wait else gathers, start, parts,
-                                     bool(priced.parts), priced.plays)
+                                     bool(priced.parts), priced.plays, key)
 
     def _gathered_blocks(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...],
-                         own: bool, plays: tuple = ()) -> tuple[float, float]:
+                         own: bool, plays: tuple = (), key: tuple = ()) -> tuple[float, float]:
         """:meth:`_gather` with each block's gather and compute seconds: block ``i``'s gather starts after block
         ``i - 1``'s and once the block testbed.sim.step.step_rules.gather_after names has computed, its compute once its
         gather and block ``i - 1`` are done, block by block as the task graph plays them. ``own``: the
@@ -163,13 +164,13 @@ class Play:
         replay = own and bool(self.slowdown)
         self.played, self.held = None, None
         if plays:
-            self.played = played = play_blocks(plays, gathers, start, self.gather_free[s], before, d, (self.slow,) * n)
+            self.played = played = self.step.blocks.spans(key, plays, gathers, start, self.gather_free[s], before, d,
+                                                          (self.slow,) * n)
             if replay:
                 self.replay, self.gathered = _Replay(gathers, start, self.gather_free[s], before), played.flying
             first = played.starts[0]
             self.comm[s] += first - start
-            self.gather_free[s] = played.gather_end
-            self.block_ends[s] = played.dones
+            self.gather_free[s], self.block_ends[s] = played.gather_end, played.dones
             return first, played.ends[-1] - first - sum(parts)
         ends, gather_end, self.gathered = _blocks(gathers, parts, start, self.gather_free[s], before, d, replay)
         if replay:
@@ -180,16 +181,14 @@ class Play:
         return first, ends[-1] - first - sum(parts)
 
     def _held_blocks(self, s: int, priced: ActionPrice, held: tuple, wait: float, start: float,
-                     parts: tuple[float, ...]) -> tuple[float, float]:
+                     parts: tuple[float, ...], key: tuple) -> tuple[float, float]:
         """:meth:`_gather` of an action whose blocks' held reductions (``held``; empty: none played among the
         blocks) or held gathers share links with the gathers beside them (testbed.explore.held_blocks): the seconds
         each block's held reductions took are kept for :meth:`_backward_end`, and the later blocks' waits for their
         gathers (held ones among them) leave them out."""
-        gathers = tuple(((wait, None), *merges) if wait else merges for merges in priced.gather_parts)
-        coll = self.step.coll
-        played = held_blocks(gathers, parts, held or ((),) * len(parts), start, self.gather_free[s],
-                             self.block_ends[s], self.facts.prefetch, lambda a, b: coll.factor(s, a, b),
-                             priced.held_gathers)
+        gathers = tuple(((wait, None), *merges) for merges in priced.gather_parts) if wait else priced.gather_parts
+        played = self.step.blocks.held(key, s, self.step.coll, gathers, parts, held or ((),) * len(parts), start,
+                                       self.gather_free[s], self.block_ends[s], self.facts.prefetch, priced.held_gathers)
         self.played, self.held = None, played.held if held else None
         self.gathered = played.flying if self.slowdown else []
         first = played.ends[0] - parts[0]
@@ -394,7 +393,7 @@ class Play:
         spread = rate * min(max(0.0, total - sum(each)), priced.hidden + priced.send_s) / (total or 1.0)
         longer = tuple(c + rate * o + spread * c for o, c in zip(each, parts))
         scale = tuple(self.slow * x / c if c else self.slow for x, c in zip(longer, parts))
-        again = play_blocks(priced.plays, gathers, start, gather_free, before, d, scale)
+        again = spans_from_start(priced.plays, gathers, start, gather_free, before, d, scale)
         self.gather_free[s], self.block_ends[s] = again.gather_end, again.dones
         first = played.starts[0]
         if again.releases or not releases:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from testbed.collectives.timing import send_time
+from testbed.explore.block_memo import StepBlocks
 from testbed.explore.span_times import played_computes, priced_plays
 from testbed.explore.held_blocks import Part
 from testbed.explore.price_reductions import Reduced, ReductionPrices, reduction_memo
@@ -169,7 +170,8 @@ class StepPrices(ReductionPrices):
         self.tied_s = tied_seconds(topology, ids, facts.tied_bytes)
         self.shard_sum_s = tuple(self._shard_sum(s) for s in range(p))
         self.prices: Mapping[tuple[int, int, str], ActionPrice] = _Priced(self)  # each priced on first use
-        self._played: dict[tuple, ActionPrice] = {}  # :meth:`played`'s memo
+        self._played: dict[tuple, ActionPrice] = {}  # :meth:`played`'s memo (its prices kept: ``blocks`` keys by id)
+        self.blocks = StepBlocks(topology)  # the actions' blocks played from their start (kept: block_memo)
         self._reduced = reduction_memo(topology, self.coll.placement, facts)  # :meth:`_reduce`'s
         self._sent: dict[tuple, PricedSend] = {}  # :meth:`_sends`' memo
         self._rings = rings

@@ -161,8 +161,8 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
         j = i - 1 - prefetch  # (gather_after inlined)
         after = (dones[j] if j >= 0 else before[back + i] if back + i >= 0 else None) or 0.0
         play = block.play
-        if play.waits >= 0:  # the unlinked last layer's, after the head's summed input gradient
-            after = max(after, summed[play.waits])
+        if play.waits >= 0 and plays[play.waits].play.summed >= 0:  # the unlinked last layer's, after the head's
+            after = max(after, summed[play.waits])  # summed input gradient
         total = sum(block.merges)  # each merge lands in its share of the block's gather (g: with a barrier's wait)
         if True in block.held:  # those the compiler runs blocking: on the compute stream before the block
             held = sum(x for x, h in zip(block.merges, block.held) if h) * g / total
