@@ -54,24 +54,10 @@ def held_blocks(gathers: Sequence[Sequence[Part]], parts: Sequence[float], held:
     t, i, phase, left, h, wake = min(start, gather_free), 0, 0, 0.0, 0, start
     back, rates = len(before) - 1 - prefetch, {}
     while i < n:
-        pending = inf  # _Gathers.begin
-        while gleft is None and block < blocks:
-            if merge == 0:
-                j = block - 1 - prefetch
-                if j >= len(ends):
-                    break
-                at = (ends[j] if j >= 0 else before[back + block] if back + block >= 0 else None) or 0.0
-                at = max(gfree, at)
-                if at > t:
-                    pending = at
-                    break
-                begun.append(t)
-            merges = gathers[block]
-            if merge < len(merges):
-                gleft = merges[merge][0]
-                break
-            done.append(t)
-            gfree, block, merge = t, block + 1, 0
+        pending = inf
+        if gleft is None and block < blocks:  # the stream idle: its next gather starts, or when it may
+            block, merge, gleft, gfree, pending = _begin(gathers, block, merge, gfree, t, ends, before, back,
+                                                         prefetch, begun, done)
         if phase == 0:
             j = i - 1 - prefetch  # known: block i - 1 - prefetch has computed
             wake = max(start, (ends[j] if j >= 0 else before[back + i] if back + i >= 0 else None) or 0.0)
@@ -102,6 +88,29 @@ def held_blocks(gathers: Sequence[Sequence[Part]], parts: Sequence[float], held:
             if left <= _DONE:
                 phase, i, h, left = _next(phase, i, h, left, t, own, held, ends, took)
     return HeldPlay(ends, took, done[-1] if done else gather_free, list(zip(begun, done)))
+
+
+def _begin(gathers: Sequence[Sequence[Part]], block: int, merge: int, gfree: float, t: float, ends: list[float],
+           before: list[float], back: int, prefetch: int, begun: list[float], done: list[float]
+           ) -> tuple[int, int, float | None, float, float]:
+    """The idle gather stream at ``t`` (:class:`_Gathers`' begin, inlined state): (block, merge, the work left of the
+    gather it starts or None, when the stream is free, when the next may start: inf where it started one or waits
+    for a block not yet computed); a block whose merges are all done is closed on the way."""
+    while block < len(gathers):
+        if merge == 0:
+            j = block - 1 - prefetch
+            if j >= len(ends):
+                break
+            at = max(gfree, (ends[j] if j >= 0 else before[back + block] if back + block >= 0 else None) or 0.0)
+            if at > t:
+                return block, merge, None, gfree, at
+            begun.append(t)
+        merges = gathers[block]
+        if merge < len(merges):
+            return block, merge, merges[merge][0], gfree, math.inf
+        done.append(t)
+        gfree, block, merge = t, block + 1, 0
+    return block, merge, None, gfree, math.inf
 
 
 def _next(phase: int, i: int, h: int, left: float, t: float, own: Sequence[Sequence[Part]],
