@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from xla_tpu_collectives import probe_main, record_probes  # noqa: E402
 
+from testbed.model.scatter_lowering import LANES  # noqa: E402  (a tile's minor extent)
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / "xla_tpu_probes" / "scatter_shapes.json"
 #: (slice, mesh shape, the axis reduced over: the mesh's last, consecutive devices).
@@ -182,8 +184,6 @@ def compare(record: dict) -> dict:
             "predicates": classify(record)}
 
 
-#: The lanes of a TPU vector register row (testbed.sim.xla.xla_tpu.VECTOR_LANES): a tile's minor extent.
-LANES = 128
 #: The candidate predicates' shard bound (elements a device; the best of 2^17 .. 2^23 on the grid).
 SHARD_ELEMENTS = 2 ** 20
 

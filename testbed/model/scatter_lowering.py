@@ -28,13 +28,12 @@ its 120 MiB bound (the recorded ones stay under it: gpt2k-fsdp16-tensor4-sp's 86
 
 from __future__ import annotations
 
+from testbed.model.flash_kernel import LANES
 from testbed.model.param_spec import ParamSpec
 from testbed.plan.spec import MeshSpec
 
 __all__ = ["lowered_matrix", "lowered_shape", "LANES", "FEW_ROWS", "FEW_SHARD_ROWS", "COLUMN_MAJOR"]
 
-#: Lanes of a TPU vector register row: a tile's minor extent (testbed.sim.xla.xla_tpu.VECTOR_LANES).
-LANES = 128
 #: The most second-minor rows a lane-split shard has that is all-reduced (4 and under in the probes; 5 stays).
 FEW_ROWS = 4
 #: The most rows a sublane-split shard has that is all-reduced (4 in the probes over 4, 8 and 16 chips; 8 stay over

@@ -43,7 +43,7 @@ recorded plans behind each rule: docs/xla_tpu.md, "XLA:TPU's collectives, probed
 - :func:`scatters_whole_sequence`: a sequence-parallel reduce-scatter over tensor of an activation holding one
   sequence a device (``[1, seq, d]`` split along the sequence) is an all-reduce of the whole activation, of two
   sequences a reduce-scatter, on every slice probed (4 of a v5e 2x2, 4 of 4x4, 4 of 8x8, 4 of 16x16, 8 of a v5p
-  4x4x4: ``benchmarks/xla_tpu_scatter_shapes.py``'s sequence probes; gpt2k-fsdp8-tensor8-sp,
+  4x4x4: ``benchmarks/xla_tpu_sequence_scatters.py``'s 13 probes; gpt2k-fsdp8-tensor8-sp,
   llama4k-fsdp64-tensor4-sp), and over every chip of a slice :func:`scatters_as_allreduce` names an all-reduce
   at any batch (v5p 2x2x2, v5e 4x4; v5e 2x4 and 2x2 stay reduce-scatters). Read from the probes, not yet applied
   to the tensor transfers: XLA's combiner then merges the small tensor all-reduces into those whole ones, which the
