@@ -60,6 +60,27 @@ def test_bad_processes_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture, arg
     assert not (tmp_path / "t.yaml").exists()
 
 
+def test_every_process_times_a_program_as_often_as_its_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A time budget read off one process's clock must not cut its calls short in a multi-process job: a program
+    over several processes' devices runs only when every one of them calls it (fewer calls on one: a hang)."""
+    import jax
+
+    from testbed.runner.host_sharing import time_call
+
+    calls = []
+
+    def slow() -> None:
+        calls.append(1)
+        time.sleep(0.01)
+
+    time_call(slow, repeats=9, budget_s=0.0)
+    assert len(calls) == 1 + 3  # one process: the warm-up and the 3 calls the budget leaves
+    calls.clear()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    time_call(slow, repeats=9, budget_s=0.0)
+    assert len(calls) == 1 + 9
+
+
 def test_unknown_worker_body_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown worker body"):
         launch.launch({"body": "nope"}, processes=2, local_devices=1)

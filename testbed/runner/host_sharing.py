@@ -36,10 +36,13 @@ __all__ = ["time_call", "concurrent_sample", "programs_sample", "launches_sample
 
 
 def time_call(fn: Callable[[], Any], *, repeats: int = 7, budget_s: float = 1.0) -> float:
-    """Median wall time of ``fn()`` (blocked until ready) after one warm-up call."""
+    """Median wall time of ``fn()`` (blocked until ready) after one warm-up call: ``repeats`` calls, fewer (at
+    least 3) once ``budget_s`` is spent. In a multi-process job every call is ``repeats``: a program over devices
+    of several processes runs only when each of them calls it, so a budget read off each process's own clock
+    would let a slower process move on while its peers wait in the next call (a hang under a loaded host)."""
     jax.block_until_ready(fn())
     times: list[float] = []
-    deadline = time.perf_counter() + budget_s
+    deadline = time.perf_counter() + (budget_s if jax.process_count() == 1 else float("inf"))
     while len(times) < repeats and (len(times) < 3 or time.perf_counter() < deadline):
         start = time.perf_counter()
         jax.block_until_ready(fn())
