@@ -49,6 +49,24 @@ CALLS, ROUNDS = 8, 5
 SEQ_MINOR = ("", "k", "v", "kv", "q", "qkv")
 
 
+def around(base: SplashBlocks) -> dict[str, SplashBlocks]:
+    """``--around``: the runner's blocks for a shape and each variant of one knob of them (the forward's query and
+    compute blocks, the backward's compute block, a longer K/V block, the backward's query block), with the
+    positions-minor q, k, v layout of each. The knobs are those BlockSizes takes (splash_attention_kernel)."""
+    q, kv, fq = base.q, base.kv, base.forward_q or base.q
+    knobs = [{}, {"forward_q": fq // 2}, {"forward_q": q, "forward_compute": q // 2}, {"compute": kv // 2},
+             {"q": q // 2}, {"forward_compute": fq * 2}, {"kv": kv * 2, "compute": kv, "forward_compute": fq}]
+    out = {}
+    for knob in knobs:
+        for minor in ("", "qkv"):
+            try:
+                one = replace(base, **knob, seq_minor=minor)
+            except ValueError:  # a side under the lanes, or a compute block not dividing its K/V block
+                continue
+            out[one.name] = one
+    return out
+
+
 CONFIGS = {blocks.name: blocks for blocks in (
     SplashBlocks(512, 512, 512, False), SplashBlocks(512, 512, 512, True), SplashBlocks(512, 1024, 512, False),
     SplashBlocks(512, 1024, 512, True), SplashBlocks(1024, 1024, 1024, False), SplashBlocks(1024, 1024, 1024, True),
@@ -117,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one small shape in interpret mode (a host check)")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop starting configurations after this")
     parser.add_argument("--layouts", action="store_true", help="the runner's blocks with q/k/v layouts varied")
+    parser.add_argument("--around", action="store_true",
+                        help="the runner's blocks at head dim 64, one knob varied at a time (splash_around.json)")
     args = parser.parse_args(argv)
     shapes = {"quick": (1, 2, 1, 256, 128)} if args.quick else SHAPES
+    if args.around and not args.quick:
+        shapes = {name: shape for name, shape in SHAPES.items() if name.startswith("llama400m")}
     configs = {b.name: b for b in (SplashBlocks(128, 128, 128, False), SplashBlocks(128, 128, 128, True))} \
         if args.quick else CONFIGS
     start, rows = time.perf_counter(), {}
@@ -127,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.layouts:
             base = SplashBlocks(128, 128, 128, True) if args.quick else SplashBlocks.for_seq(seq, shape[4])
             configs = {b.name: b for b in (replace(base, seq_minor=m) for m in SEQ_MINOR)}
+        elif args.around:
+            configs = around(SplashBlocks(256, 256, 256, True, forward_q=128, forward_compute=128) if args.quick
+                             else SplashBlocks.for_seq(seq, shape[4]))
         rows[name] = {"shape": dict(zip(("batch", "heads", "kv_heads", "seq", "head_dim"), shape)),
                       "flops": causal_flops(shape), "configs": {}}
         for config, blocks in configs.items():
@@ -135,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             rows[name]["configs"][config] = measure(shape, blocks, args.quick)
             print(name, config, rows[name]["configs"][config], file=sys.stderr, flush=True)
             record = _record(rows, start)
-            write_atomic(Path(args.out) / ("splash_layouts.json" if args.layouts else "splash_blocks.json"),
+            file = "splash_layouts.json" if args.layouts else "splash_around.json" if args.around else "splash_blocks.json"
+            write_atomic(Path(args.out) / file,
                          json.dumps(record, indent=1) + "\n")
     best = {name: min((c for c in row["configs"].items() if "error" not in c[1]),
                       key=lambda c: c[1]["forward_backward_s"], default=(None, None))[0]
