@@ -191,8 +191,7 @@ def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
 FSDP = ("fsdp: over 64 or 256 chips of a larger slice beside tensor XLA:TPU all-reduces weight gradients whose shards "
         "are whole tiles (llama4k-fsdp256-tensor4's large ones, llama4k-fsdp64-tensor4-sp's token table), merged")
 SP = ("tensor: under sequence parallelism XLA:TPU gathers backward cotangents again (three at tensor 4, one fewer at "
-      "tensor 8 on v5p), merges the tensor-replicated gradients' sums into one all-reduce, and over tensor 8 of a v5p "
-      "4x4x4 or tensor 4 of a v5e 16x16 all-reduces the sequence-parallel blocks' outputs whole")
+      "tensor 8 on v5p) and merges the tensor-replicated gradients' sums and the small all-reduces into fewer")
 CONTEXT = ("context under fsdp: three context all-gathers, and the gradients' sum over context an all-reduce of the "
            "whole gradient before fsdp's reduction")
 #: The recorded fsdp plans whose collectives equal XLA:TPU's by testbed.sim.xla.xla_tpu's rules.

@@ -29,7 +29,7 @@ from testbed.plan.spec import Axis, Plan, Remat
 from testbed.sim.step.action_work import action_work
 from testbed.sim.step.chunk_facts import MATMULS_PER_LAYER
 from testbed.sim.price.compute import compute_seconds
-from testbed.sim.xla.xla_tpu import narrows_gathers, sequence_gather_bytes
+from testbed.sim.xla.xla_tpu import narrows_gathers, scatters_as_allreduce, scatters_whole_sequence, sequence_gather_bytes
 from testbed.sim.step.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms
 from testbed.sim.step.memo import cached_execution
 from testbed.topology import Topology
@@ -130,7 +130,8 @@ def _placed_floor(plan: Plan, topology: Topology) -> float:
                 continue  # the embedding's chunk: its bound
             cost = cached_chunk_cost(plan, s, c)
             narrow = sequence_gather_bytes(plan, cost.tensor_allreduce_bytes, narrows_gathers(topology))
-            transfers = action_work(cost, kind, split, plan.remat, size, narrow)[3]
+            transfers = action_work(cost, kind, split, plan.remat, size, narrow,
+                                    whole=_whole(plan, topology))[3]
             key = (s, transfers)
             if key not in extra:
                 exact = sum(n * coll.time(op, (Axis.TENSOR,), s, nbytes) for op, n, nbytes in transfers)
@@ -336,6 +337,14 @@ def _accumulate_floor(plan: Plan, topology: Topology, params: int) -> float:
     return compute_seconds(topology, plan.precision.compute_dtype, 0.0, nbytes) if nbytes > 0 else 0.0
 
 
+def _whole(plan: Plan, topology: Topology) -> bool:
+    """Whether the estimate prices the sequence reduce-scatters as all-reduces (testbed.sim.xla.xla_tpu.
+    scatters_whole_sequence, with the flags testbed.sim.step.facts reads of the topology); :func:`_chunk_key` and
+    :func:`floor_key` hold what it reads (the tensor degree, the microbatch size, sequence parallelism; the mesh's
+    size is the topology's)."""
+    return scatters_whole_sequence(plan, narrows_gathers(topology), scatters_as_allreduce(topology))
+
+
 def _chunk_key(plan: Plan, split: bool, dtype: str) -> tuple:
     """What a chunk's action floors read of ``plan`` beside its layers and ends: what its cost and GEMMs read
     (testbed.sim.step.memo's keys, but for the stage split and the chunk's place), the backward's split, the dtype,
@@ -372,7 +381,7 @@ def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkG
     # the loss's maximum at its fewest bytes (the logits' dtype, as a compiler reducing natively moves it): a bound
     narrow = sequence_gather_bytes(plan, cost.tensor_allreduce_bytes, narrows_gathers(topology))  # as the estimate
     flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat, float(plan.precision.compute_bytes),
-                                                       narrow)
+                                                       narrow, whole=_whole(plan, topology))
     shapes = gemms.action(kind, split)
     if n_moe and plan.mesh.expert > 1 and kind != "W":  # an MoE chain (testbed.sim.step.moe.moe_pieces): a bound of it
         whole = compute_seconds(topology, dtype, flops, hbm, 1, rep_b, split_b, cost.tensor_bytes, shapes)

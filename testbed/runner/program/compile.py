@@ -203,6 +203,17 @@ class _Reader:
         wide = [d for d in shape if d > 1]  # a tensor-split dim of one row a device leaves a rank-1 buffer
         return int(wide[0]) if len(wide) == 1 else 0
 
+    def sequence_scatter(self, kind: str, operands: list, results: list) -> bool:
+        """Whether a collective is a reduce-scatter of a rank-3+ buffer holding one row of its leading dim a device,
+        scattered along its second (an activation of one sequence a device over its positions, as sequence
+        parallelism's reduce-scatters are): what XLA:TPU all-reduces whole
+        (testbed.sim.xla.xla_tpu.scatters_whole_sequence)."""
+        if kind != "reduce-scatter":
+            return False
+        before, after = (self.shape.get(v, ((), 0))[0] for v in (operands[0], results[0]))
+        split = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+        return len(before) >= 3 and len(before) == len(after) and before[0] == 1 and split == [1]
+
     def node(self, op: Any, name: str) -> Node:
         from testbed.runner import reshards
 
@@ -220,8 +231,9 @@ class _Reader:
             reducer = tuple(inner.operation.name for region in op.regions for b in region.blocks
                             for inner in b.operations)
             vector = self.vector_shard(kind, operands, results)  # a rank-1 buffer's shard (XLA:TPU's rules)
+            sequence = self.sequence_scatter(kind, operands, results)
             return Node(kind="collective", name=name, operands=operands, results=results,
-                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes, element, vector),
+                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes, element, vector, sequence),
                         writes=[self.nbytes(r) for r in results], channel=channel, reducer=reducer)
         if name in LOCAL_SLICES:  # its results are sharded as its out_sharding says (no sdy.sharding attribute)
             self.define(results, [str(attrs["out_sharding"])] * len(results))

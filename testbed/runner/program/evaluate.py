@@ -159,11 +159,11 @@ class _Emitter:
                 self.env[r] = replace(v, again=v.deps, wall=frozenset().union(*(x.wall for x in vals))) \
                     if recomputed else v
             return
-        op, axes, group, nbytes, element, vector = node.collective
+        op, axes, group, nbytes, element, vector, sequence = node.collective
         ids = self.add(TracedOp(name=f"{op} {'+'.join(axes) or '-'}", kind=OpKind.COLLECTIVE,
                                 deps=tuple(sorted(self.deps(node.operands))), collective=op, axes=tuple(axes),
                                 group=group, nbytes=float(nbytes), element=element, count=self.count,
-                                iteration=self.scope, vector=vector), vals)
+                                iteration=self.scope, vector=vector, sequence=sequence), vals)
         out = [_Val(ids, True, w) for w in node.writes]
         for r, v in zip(node.results, out):
             self.env[r] = v

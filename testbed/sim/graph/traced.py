@@ -27,7 +27,7 @@ from testbed.sim.graph.tasks import Program, TaskKind
 from testbed.sim.report.timeline import Report, Timeline
 from testbed.sim.graph.traced_graph import collective_bytes, convert_bytes, mesh_groups, repeat_gemm, workload_program
 from testbed.sim.xla.workload import OpKind, Workload, element_bytes
-from testbed.sim.xla.xla_tpu import (lowered_gathers, lowered_scatters, lowers_vectors, packs_allreduces,
+from testbed.sim.xla.xla_tpu import (keeps_recomputed_gathers, lowered_gathers, lowered_scatters, lowers_vectors, packs_allreduces,
                                     regathered, scatters_as_allreduce)
 from testbed.topology import Topology
 
@@ -168,7 +168,7 @@ def compiled_collectives(workload: Workload, topology: Topology) -> Workload:
     (testbed.sim.xla.xla_tpu.lowered_scatters, lowered_gathers), a checkpoint's recomputed activation gathers issued
     again where XLA:TPU keeps them (testbed.sim.xla.xla_tpu.regathered). The first step of :func:`simulate_workload`."""
     moved = lowered_scatters(device_collectives(workload, topology), scatters_as_allreduce(topology),
-                             lowers_vectors(topology))
+                             lowers_vectors(topology), keeps_recomputed_gathers(topology))
     return regathered(lowered_gathers(moved, topology), topology)
 
 

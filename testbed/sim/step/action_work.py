@@ -15,7 +15,8 @@ __all__ = ["action_work", "tensor_transfers"]
 
 
 def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat, max_bytes: float = 4.0, matmul_gather: int = 0,
-                regather: bool = False) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int, int], ...]]:
+                regather: bool = False, whole: bool = False
+                ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int, int], ...]]:
     """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor collectives) of one action, one microbatch.
 
     The backward writes about twice the forward's activation traffic (the
@@ -26,24 +27,24 @@ def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat, max_bytes
     selective remat redoes no all-reduce. The tensor collectives are
     ``(op, count, bytes each)`` from :func:`tensor_transfers`
     (all-reduces, or with sequence parallelism all-gathers and reduce-scatters; the loss's all-reduces;
-    ``matmul_gather``, ``regather``: its arguments).
+    ``matmul_gather``, ``regather``, ``whole``: its arguments).
     """
     forward = cost.forward_traffic
     if kind == "F":
         return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
-            tensor_transfers(cost, "F", remat, max_bytes, matmul_gather)
+            tensor_transfers(cost, "F", remat, max_bytes, matmul_gather, whole=whole)
     if kind == "B":
         flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
         hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
         times = 1 if split else 2
         traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
         return float(flops), float(hbm), traffic, tensor_transfers(cost, "B", remat, matmul_gather=matmul_gather,
-                                                                   regather=regather)
+                                                                   regather=regather, whole=whole)
     return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), ()
 
 
 def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str, max_bytes: float = 4.0, matmul_gather: int = 0,
-                     regather: bool = False) -> tuple[tuple[str, int, int], ...]:
+                     regather: bool = False, whole: bool = False) -> tuple[tuple[str, int, int], ...]:
     """``(op, count, bytes each)`` of the tensor collectives of one action, the one decision the task graph
     and the analytic tier read (through :class:`ActionWork`): :meth:`ChunkCost.tensor_collectives`
     (``tensor_allreduce_bytes`` each); the head's forward's vocab-parallel loss, three all-reduces of one
@@ -57,10 +58,13 @@ def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str, max_bytes: 
     sequence_gather_bytes; 0: ``tensor_allreduce_bytes``); the embedding's is listed first. ``regather``: the
     backward gathers each of the forward's sequence all-gathers again, of its bytes, after the others but the position
     table's gradient gather, which stays last (testbed.sim.xla.xla_tpu.regathers_sequence: XLA:TPU keeps a
-    checkpoint's recomputed gathers)."""
+    checkpoint's recomputed gathers). ``whole``: the sequence reduce-scatters are all-reduces of the whole activation,
+    of its bytes (testbed.sim.xla.xla_tpu.scatters_whole_sequence: XLA:TPU at one sequence a device)."""
     nbytes = cost.tensor_allreduce_bytes
     out: list[tuple[str, int, int]] = []
     for op, count in cost.tensor_collectives(kind, remat):
+        if whole and op == "reduce_scatter":
+            op = "all_reduce"
         if op != "all_gather" or not matmul_gather or matmul_gather == nbytes:
             out.append((op, count, nbytes))
             continue

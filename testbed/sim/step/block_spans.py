@@ -51,10 +51,11 @@ def _labels(cost: ChunkCost, kind: str, gathered: bool) -> list[tuple[str, str, 
             + [("embedding", "lookup", 0)] * cost.has_embedding)
 
 
-def _after(cost: ChunkCost, kind: str, what: str, loss: list[Transfer], position: list[Transfer], gather: int
-           ) -> list[tuple[str, int]]:
-    """(op, bytes) of the collectives after one span (module docstring; ``gather``: a norm's all-gather's bytes)."""
-    main = "reduce_scatter" if cost.sequence_parallel else "all_reduce"
+def _after(cost: ChunkCost, kind: str, what: str, loss: list[Transfer], position: list[Transfer], gather: int,
+           whole: bool = False) -> list[tuple[str, int]]:
+    """(op, bytes) of the collectives after one span (module docstring; ``gather``: a norm's all-gather's bytes;
+    ``whole``: sequence parallelism's reduce-scatters are all-reduces of the whole activation, :func:`_whole`)."""
+    main = "reduce_scatter" if cost.sequence_parallel and not whole else "all_reduce"
     nbytes = cost.tensor_allreduce_bytes
     if not nbytes:  # no tensor axis: no collective between the spans
         return []
@@ -67,6 +68,15 @@ def _after(cost: ChunkCost, kind: str, what: str, loss: list[Transfer], position
     if what in ("head", "block"):
         return [(main, nbytes)]
     return [(op, b) for op, _, b in position] if what == "lookup" else []
+
+
+def _whole(cost: ChunkCost, transfers: tuple[Transfer, ...]) -> bool:
+    """Whether an action's sequence-parallel reduce-scatters are all-reduces of the whole activation, as its
+    transfers say (testbed.sim.step.action_work.tensor_transfers decides it once: testbed.sim.xla.xla_tpu.
+    scatters_whole_sequence): sequence parallelism, and an all-reduce of the activation's bytes but no reduce-scatter
+    among them."""
+    return cost.sequence_parallel and not any(op == "reduce_scatter" for op, _, _ in transfers) and any(
+        op == "all_reduce" and b == cost.tensor_allreduce_bytes for op, _, b in transfers)
 
 
 def _norm_gathers(cost: ChunkCost, kind: str, labels: list[tuple[str, str, int]], transfers: tuple[Transfer, ...]
@@ -163,7 +173,8 @@ def _cut_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...
     tail = list(transfers[len(transfers) - extra:])
     gathers = _norm_gathers(cost, kind, labels, transfers[:len(transfers) - extra])
     again = _regathers(cost, kind, labels, transfers[:len(transfers) - extra])
-    after = [_after(cost, kind, what, tail if kind == "F" else [], tail if kind == "B" else [], g)
+    whole = _whole(cost, transfers)
+    after = [_after(cost, kind, what, tail if kind == "F" else [], tail if kind == "B" else [], g, whole)
              for (_, what, _), g in zip(labels, gathers)]
     expected: Counter = Counter()
     for op, n, b in transfers:

@@ -32,7 +32,7 @@ from testbed.sim.step.grad_bytes import (accumulated_bytes, accumulated_elements
 from testbed.sim.step.memo import cached_chunk_gemms
 from testbed.sim.step.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.step.tp_overlap import TpOverlap, tp_overlap
-from testbed.sim.xla.xla_tpu import regathers_sequence, sequence_gather_bytes
+from testbed.sim.xla.xla_tpu import regathers_sequence, scatters_whole_sequence, sequence_gather_bytes
 
 __all__ = ["ActionWork", "ChunkFacts", "Work", "Outgoing", "ForwardBackward", "Moved", "Reduced", "Gathered", "BucketMerge",
            "MATMULS_PER_LAYER", "chunk_facts", "action_sends"]
@@ -300,13 +300,14 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
                  reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False,
                  native: bool = False, allreduce_bytes: float | None = None, scatter_allreduce: bool = False,
                  recompute_gathers: bool = False, fused: bool = False, matmul_b: float = 0.0,
-                 lowering: Lowering = NO_LOWERING, narrowed: bool = False) -> ChunkFacts:
+                 lowering: Lowering = NO_LOWERING, narrowed: bool = False, whole_slice: bool = False) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers). ``scatter_allreduce``: the
     gradients' reduce-scatters compile to all-reduces, merged within ``allreduce_bytes`` (testbed.sim.xla.xla_tpu);
     ``recompute_gathers``: a full-remat layer's backward gathers its recomputation's leaves apart; ``matmul_b``: bytes
     per element of the weight matrices' gathers (testbed.sim.xla.xla_tpu.matmul_gather_bytes; 0: ``param_b``);
     ``lowering``: the gathers lowered as all-reduces (testbed.model.gather_lowering); ``narrowed``: the compiler
-    gathers activations only matmuls read in their dtype (testbed.sim.xla.xla_tpu.sequence_gather_bytes)."""
+    gathers activations only matmuls read in their dtype (testbed.sim.xla.xla_tpu.sequence_gather_bytes);
+    ``whole_slice``: a reduce-scatter over every device is an all-reduce (testbed.sim.xla.xla_tpu.scatters_as_allreduce)."""
     n_moe = moe_layers(plan.model, span)
     cost, shapes = chunk_costs[s][c], accumulating_gemms(plan, cached_chunk_gemms(plan, s, c), fused, n_moe)
     kernels = max(1, MATMULS_PER_LAYER * cost.layers)
@@ -316,7 +317,7 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     tail = token_table_last(plan, cost, combine, reduce_b) if reduces else (0.0, 0.0)
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe, bool(tail[1]), native,
-                            fused, narrowed) for kind in kinds)
+                            fused, narrowed, whole_slice) for kind in kinds)
     gathering = gathers_parameters(plan, "F")
     own = (gathering and plan.runtime.fsdp_edge_blocks and (cost.has_embedding or cost.has_head)  # own_blocks
            and cost.layers >= 1 and plan.mesh.context == 1 and not any(a.chain or a.overlap for a in actions))
@@ -376,15 +377,16 @@ def _block_work(shapes: ChunkGemms, work: ActionWork, cost: ChunkCost, split: bo
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
             kernels: int, n_moe: int, tail_gather: bool = False, native: bool = False, fused: bool = False,
-            narrowed: bool = False) -> ActionWork:
+            narrowed: bool = False, whole_slice: bool = False) -> ActionWork:
     """:class:`ActionWork` of one ``kind`` action of chunk ``c`` of stage ``s`` (``tail_gather``: ChunkFacts.tail's;
     ``native``: step_facts' ``native_reductions``; ``fused``: its ``fused_updates``, the adds into the accumulator
-    in the weight gradients' matmuls; ``narrowed``: :func:`chunk_facts`')."""
+    in the weight gradients' matmuls; ``narrowed``, ``whole_slice``: :func:`chunk_facts`')."""
     split = schedule.split_backward
     max_b = float(plan.precision.compute_bytes) if native else 4.0
     narrow = sequence_gather_bytes(plan, chunk_costs[s][c].tensor_allreduce_bytes, narrowed)
     flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat, max_b, narrow,
-                                                            regathers_sequence(plan, narrowed))
+                                                            regathers_sequence(plan, narrowed),
+                                                            scatters_whole_sequence(plan, narrowed, whole_slice))
     hbm += (acc := accumulated_bytes(plan, chunk_costs[s][c].params, kind == ("W" if split else "B"), fused,
                                      accumulated_elements(shapes)))
     if tail_gather and kind == "B":

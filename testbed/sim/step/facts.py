@@ -242,7 +242,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                                         bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
                                         chained_gathers, native_reductions, allreduce_bytes,
                                         any(r.scatter_op == "all_reduce" for r in reductions), recompute_gathers,
-                                        fused_updates, *gathered, narrowed_gathers)
+                                        fused_updates, *gathered, narrowed_gathers, whole_slice_scatters)
         return out
 
     chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))

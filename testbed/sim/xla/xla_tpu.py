@@ -45,9 +45,8 @@ recorded plans behind each rule: docs/xla_tpu.md, "XLA:TPU's collectives, probed
   sequences a reduce-scatter, on every slice probed (4 of a v5e 2x2, 4 of 4x4, 4 of 8x8, 4 of 16x16, 8 of a v5p
   4x4x4: ``benchmarks/xla_tpu_sequence_scatters.py``'s 13 probes; gpt2k-fsdp8-tensor8-sp,
   llama4k-fsdp64-tensor4-sp), and over every chip of a slice :func:`scatters_as_allreduce` names an all-reduce
-  at any batch (v5p 2x2x2, v5e 4x4; v5e 2x4 and 2x2 stay reduce-scatters). Read from the probes, not yet applied
-  to the tensor transfers: XLA's combiner then merges the small tensor all-reduces into those whole ones, which the
-  traced tier does by data flow and the plan's tiers do not, so applied alone it moves the tiers 6% apart.
+  at any batch (v5p 2x2x2, v5e 4x4; v5e 2x4 and 2x2 stay reduce-scatters). A traced program's by their shapes
+  (``TracedOp.sequence``, :func:`lowered_scatters`).
 - :func:`keeps_recomputed_gathers` (:func:`regathers_sequence` for a plan, :func:`regathered` for a traced program):
   where a checkpoint recomputes layers, the backward gathers each of the forward's activation all-gathers again (the
   recomputation's inputs sit behind an optimization barrier); a parameter's gather is not repeated. The copies run
@@ -153,16 +152,20 @@ def accumulate_op(axes: tuple, mesh: MeshSpec, whole_slice: bool) -> str:
     return "all_reduce" if whole_slice and spans else "reduce_scatter"
 
 
-def lowered_scatters(workload: "Workload", whole_slice: bool, vectors: bool = False) -> "Workload":
+def lowered_scatters(workload: "Workload", whole_slice: bool, vectors: bool = False,
+                     sequences: bool = False) -> "Workload":
     """A traced program's ``workload`` with each reduce-scatter over every device of its mesh an all-reduce of the
-    same bytes where ``whole_slice`` (:func:`scatters_as_allreduce` of the topology), and each of rank-1 buffers
-    where ``vectors`` (:func:`lowers_vectors`): the rules :func:`lowered_reductions` and testbed.model.blocks.
-    scatter_ops apply to a plan's gradients, for the traced tier."""
-    if not whole_slice and not vectors:
+    same bytes where ``whole_slice`` (:func:`scatters_as_allreduce` of the topology), each of rank-1 buffers
+    where ``vectors`` (:func:`lowers_vectors`), and each of an activation of one sequence a device
+    (``TracedOp.sequence``) where ``sequences`` (XLA:TPU, :func:`keeps_recomputed_gathers`): the rules
+    :func:`lowered_reductions`, testbed.model.blocks.scatter_ops and :func:`scatters_whole_sequence` apply to a
+    plan, for the traced tier."""
+    if not whole_slice and not vectors and not sequences:
         return workload
     ops = tuple(replace(op, collective="all_reduce", name=op.name.replace("reduce_scatter", "all_reduce", 1))
                 if op.collective == "reduce_scatter" and (
-                    (whole_slice and op.group == workload.devices) or (vectors and op.vector)) else op
+                    (whole_slice and op.group == workload.devices) or (vectors and op.vector)
+                    or (sequences and op.sequence)) else op
                 for op in workload.ops)
     return replace(workload, ops=ops) if ops != workload.ops else workload
 
