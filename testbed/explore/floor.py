@@ -29,7 +29,8 @@ from testbed.plan.spec import Axis, Plan, Remat
 from testbed.sim.step.action_work import action_work
 from testbed.sim.step.chunk_facts import MATMULS_PER_LAYER
 from testbed.sim.price.compute import compute_seconds
-from testbed.sim.xla.xla_tpu import narrows_gathers, scatters_as_allreduce, scatters_whole_sequence, sequence_gather_bytes
+from testbed.sim.xla.xla_tpu import (narrows_gathers, scatters_as_allreduce, scatters_whole_sequence,
+                                    sequence_gather_bytes)
 from testbed.sim.step.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms
 from testbed.sim.step.memo import cached_execution
 from testbed.topology import Topology

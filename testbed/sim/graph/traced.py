@@ -27,8 +27,8 @@ from testbed.sim.graph.tasks import Program, TaskKind
 from testbed.sim.report.timeline import Report, Timeline
 from testbed.sim.graph.traced_graph import collective_bytes, convert_bytes, mesh_groups, repeat_gemm, workload_program
 from testbed.sim.xla.workload import OpKind, Workload, element_bytes
-from testbed.sim.xla.xla_tpu import (keeps_recomputed_gathers, lowered_gathers, lowered_scatters, lowers_vectors, packs_allreduces,
-                                    regathered, scatters_as_allreduce)
+from testbed.sim.xla.xla_tpu import (keeps_recomputed_gathers, lowered_gathers, lowered_scatters, lowers_vectors,
+                                    packs_allreduces, regathered, scatters_as_allreduce)
 from testbed.topology import Topology
 
 #: The task graph's names (testbed.sim.graph.traced_graph) are importable from here too: this is the traced tier's API.

@@ -65,7 +65,8 @@ class TracedOp:
     testbed.sim.xla.xla_tpu.lowered_gathers). ``vector``: for an all-gather or reduce-scatter of rank-1 buffers,
     the elements of each device's shard (0: not rank-1), which XLA:TPU's rules read
     (testbed.sim.xla.xla_tpu.vector_gather_lowers). ``sequence``: a reduce-scatter of an activation of one sequence a
-    device along its positions (testbed.sim.xla.xla_tpu.scatters_whole_sequence's case). ``again``: the collectives among ``deps`` whose result the op reads
+    device along its positions (testbed.sim.xla.xla_tpu.scatters_whole_sequence's case). ``again``: the collectives
+    among ``deps`` whose result the op reads
     as a checkpoint's recomputation does, the same collective of the same values behind the checkpoint's optimization
     barrier, which XLA:CPU's common-subexpression elimination merges with the earlier one (the tracer's program)
     and XLA:TPU issues again (testbed.sim.xla.xla_tpu.regathered, a pass of testbed.sim.graph.traced's
