@@ -49,7 +49,7 @@ from testbed.model.kept import (DOTS_POLICIES, dots_saved_bytes, flash_kept_byte
                                 saves_flash_residuals, xla_program)
 from testbed.model.ring import rank_spec
 from testbed.plan.sharding import reduction_axes
-from testbed.plan.spec import Attention, Plan, Remat
+from testbed.plan.spec import Attention, Plan, Position, Remat
 
 __all__ = ["applies", "layer_kept_bytes", "kept_flash_bytes", "splash_copies_bytes", "scan_flash_fp32_bytes", "recompute_workspace_bytes",
            "parallel_branches", "attention_recompute_bytes", "head_kept_bytes", "head_kept_buffers", "loss_workspace_bytes",
@@ -71,6 +71,21 @@ def _residual(plan: Plan) -> int:
     return values // plan.mesh.tensor if plan.sequence_parallel else values
 
 
+def turned_rope_bytes(plan: Plan) -> int:
+    """One layer's RoPE turns a JAX dots policy keeps on XLA:TPU: under the splash kernel the runner rotates Q and K
+    with a signed permutation applied as a dot (testbed.runner.rope.rope_turned), a ``dot_general`` without batch
+    dimensions, which ``checkpoint_dots_with_no_batch_dims`` saves beside the projections: a second Q and K (the
+    deviceless compile of llama400m-bf16-dotsflash allocates the 14,343,088,640 bytes the chip does, 1.04 GB over
+    the set without them). 0 without RoPE or the splash kernel."""
+    spec = rank_spec(plan)
+    if (spec.attention is not Attention.FLASH or spec.position is not Position.ROPE
+            or tpu_kernel(plan) is not AttentionKernel.SPLASH):
+        return 0
+    t, n = plan.mesh.tensor, plan.microbatch_size * spec.seq_len
+    kv = n * spec.kv_dim // (t if spec.kv_split(t) else 1)
+    return plan.precision.compute_bytes * (n * spec.q_dim // t + kv)
+
+
 def layer_kept_bytes(plan: Plan) -> int:
     """Bytes one dense layer keeps from its forward to its backward, one microbatch, on one device.
 
@@ -86,7 +101,7 @@ def layer_kept_bytes(plan: Plan) -> int:
         return c * _residual(plan) + (kept_flash_bytes(plan) if keeps_flash_under_full(plan) else 0)
     if saves_dots(plan):  # the policy's saved set (no splash copies: the transposes are no dots)
         flash = kept_flash_bytes(plan) - flash_kept_bytes(plan) if saves_flash_residuals(plan) else 0
-        return dots_saved_bytes(plan) + flash
+        return dots_saved_bytes(plan) + flash + turned_rope_bytes(plan)
     b = plan.microbatch_size
     n = b * spec.seq_len
     kv = 2 * n * spec.kv_dim // (t if spec.kv_split(t) else 1)
