@@ -202,8 +202,9 @@ def extend_runs(recorded: dict, calls: list[dict]) -> dict:
     ``calls``; a plan a later call ran replaces the recorded row (it measures today's runner), the row replaced kept
     under ``superseded`` and the new row's ``runner_since`` the call's date (what was measured of an older runner,
     e.g. a profile's step, pairs with the row of its time: benchmarks/tpu_chip_fit.py), the others stay."""
-    merged = dict(recorded, calls=list(recorded["calls"]), command=recorded["command"])
-    rows = {r["plan"]: r for r in recorded["plans"]}
+    first = [{k: recorded.get(k) for k in ("date", "command", "wall_s", "versions")}]  # one call's own file
+    merged = dict(recorded, calls=list(recorded.get("calls", first)), command=recorded["command"])
+    rows = {r["plan"]: ({"call": 0} | r) for r in recorded["plans"]}
     for call in calls:
         index = len(merged["calls"])
         merged["calls"].append({"date": call["date"], "command": relative_command(call["command"]),

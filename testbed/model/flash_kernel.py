@@ -32,9 +32,12 @@ LANES = 128
 SPLASH_BLOCKS = (1024, 512, 256, 128)
 SPLASH_FUSED_BACKWARD = True
 
-#: The forward kernel's query block and K/V compute block at a 1024-block: half of it. The same measurements give the
-#: forward alone 2.3-5.8% faster with 512-query blocks computing 512 keys at a time (``q512-kv1024-c512``) than with
-#: 1024-blocks at all four shapes, while the fused backward is fastest at 1024-blocks; smaller blocks keep one size.
+#: The forward kernel's K/V compute block at a 1024-block: half of it, its query block whole. The same measurements
+#: give the forward alone 2.3-5.8% faster computing 512 keys at a time (``q512-kv1024-c512``) than 1024-blocks at all
+#: four shapes, while the fused backward is fastest at 1024-blocks; one knob at a time around those blocks at the
+#: 430M plans' head-dim-64 shapes (benchmarks/tpu_chip/splash_around.json, tpu_splash_blocks.py --around), 1024-query
+#: blocks computing 512 keys at a time (``fq1024-fc512``) run the forward a further 2.8-4.2% faster than 512-query
+#: ones, and the whole full-remat steps 0.6-1.3% faster (runs.json). Smaller blocks keep one size.
 SPLASH_FORWARD_HALVED_AT = 1024
 
 #: The largest block side x head dim the splash kernels compile with: the fused dK/dV kernel's VMEM buffers grow
@@ -81,7 +84,7 @@ class SplashBlocks:
         if block is None:
             return None
         forward = block // 2 if block >= SPLASH_FORWARD_HALVED_AT else 0
-        return cls(block, block, block, SPLASH_FUSED_BACKWARD, forward_q=forward, forward_compute=forward)
+        return cls(block, block, block, SPLASH_FUSED_BACKWARD, forward_compute=forward)
 
     @property
     def name(self) -> str:
