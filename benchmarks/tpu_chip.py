@@ -203,7 +203,8 @@ def extend_runs(recorded: dict, calls: list[dict]) -> dict:
     under ``superseded`` and the new row's ``runner_since`` the call's date (what was measured of an older runner,
     e.g. a profile's step, pairs with the row of its time: benchmarks/tpu_chip_fit.py), the others stay."""
     first = [{k: recorded.get(k) for k in ("date", "command", "wall_s", "versions")}]  # one call's own file
-    merged = dict(recorded, calls=list(recorded.get("calls", first)), command=recorded["command"])
+    first[0]["command"] = relative_command(first[0]["command"])
+    merged = dict(recorded, calls=list(recorded.get("calls", first)), command=relative_command(recorded["command"]))
     rows = {r["plan"]: ({"call": 0} | r) for r in recorded["plans"]}
     for call in calls:
         index = len(merged["calls"])

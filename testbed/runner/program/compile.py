@@ -214,27 +214,36 @@ class _Reader:
         split = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
         return len(before) >= 3 and len(before) == len(after) and before[0] == 1 and split == [1]
 
+    def collective(self, op: Any, name: str, operands: list, results: list) -> Node:
+        """A collective node: a reshard the partitioner inserts (``reshards.KINDS``) or a shard_map body's own
+        (``reshards.MANUAL``): its kind, axes, group, bytes a device, element type, rank-1 shard and whether it
+        scatters one sequence a device (XLA:TPU's rules), channel and reducer (XLA's CSE)."""
+        from testbed.runner import reshards
+
+        attrs = op.attributes
+        read = reshards._collective if name in reshards.KINDS else reshards._manual
+        kind, axes, group, nbytes, _, element = read(op, self.sizes, self.order)
+        out = str(attrs["out_sharding"]) if "out_sharding" in attrs else None
+        self.define(results, [out] * len(results) if out else self._shardings(op))
+        if name in reshards.MANUAL:  # one device's block: also split over the body's free axes
+            nbytes = self.nbytes(results[0] if kind == "all-gather" else operands[0])
+        handle = _CHANNEL.search(str(attrs["channel_handle"])) if "channel_handle" in attrs else None
+        channel = None if name in reshards.KINDS else int(handle.group(1)) if handle else 0
+        reducer = tuple(inner.operation.name for region in op.regions for b in region.blocks
+                        for inner in b.operations)
+        vector = self.vector_shard(kind, operands, results)  # a rank-1 buffer's shard (XLA:TPU's rules)
+        return Node(kind="collective", name=name, operands=operands, results=results,
+                    collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes, element, vector,
+                                self.sequence_scatter(kind, operands, results)),
+                    writes=[self.nbytes(r) for r in results], channel=channel, reducer=reducer)
+
     def node(self, op: Any, name: str) -> Node:
         from testbed.runner import reshards
 
         operands, results = list(op.operands), list(op.results)
         attrs = op.attributes
         if name in reshards.KINDS or name in reshards.MANUAL:
-            read = reshards._collective if name in reshards.KINDS else reshards._manual
-            kind, axes, group, nbytes, _, element = read(op, self.sizes, self.order)
-            out = str(attrs["out_sharding"]) if "out_sharding" in attrs else None
-            self.define(results, [out] * len(results) if out else self._shardings(op))
-            if name in reshards.MANUAL:  # one device's block: also split over the body's free axes
-                nbytes = self.nbytes(results[0] if kind == "all-gather" else operands[0])
-            handle = _CHANNEL.search(str(attrs["channel_handle"])) if "channel_handle" in attrs else None
-            channel = None if name in reshards.KINDS else int(handle.group(1)) if handle else 0
-            reducer = tuple(inner.operation.name for region in op.regions for b in region.blocks
-                            for inner in b.operations)
-            vector = self.vector_shard(kind, operands, results)  # a rank-1 buffer's shard (XLA:TPU's rules)
-            sequence = self.sequence_scatter(kind, operands, results)
-            return Node(kind="collective", name=name, operands=operands, results=results,
-                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes, element, vector, sequence),
-                        writes=[self.nbytes(r) for r in results], channel=channel, reducer=reducer)
+            return self.collective(op, name, operands, results)
         if name in LOCAL_SLICES:  # its results are sharded as its out_sharding says (no sdy.sharding attribute)
             self.define(results, [str(attrs["out_sharding"])] * len(results))
         else:
