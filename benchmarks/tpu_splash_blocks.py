@@ -160,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             rows[name]["configs"][config] = measure(shape, blocks, args.quick)
             print(name, config, rows[name]["configs"][config], file=sys.stderr, flush=True)
             record = _record(rows, start)
-            file = "splash_layouts.json" if args.layouts else "splash_around.json" if args.around else "splash_blocks.json"
-            write_atomic(Path(args.out) / file,
-                         json.dumps(record, indent=1) + "\n")
+            file = ("splash_layouts.json" if args.layouts else "splash_around.json" if args.around
+                    else "splash_blocks.json")
+            write_atomic(Path(args.out) / file, json.dumps(record, indent=1) + "\n")
     best = {name: min((c for c in row["configs"].items() if "error" not in c[1]),
                       key=lambda c: c[1]["forward_backward_s"], default=(None, None))[0]
             for name, row in rows.items()}
