@@ -50,6 +50,7 @@ GEMM shapes and the memory model all come here):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -78,9 +79,13 @@ def rank_spec(plan: Plan) -> ModelSpec:
     ``gcd(flash_block, s_l)`` keys (plain attention: the whole ``s_l``, one block per step). ``c = 1``: the plan's
     model itself. Per-token terms only: parameters always come from ``plan.model`` (a learned position table
     has ``seq_len`` rows whatever the split)."""
-    spec, c = plan.model, plan.mesh.context
-    if c == 1:
-        return spec
+    return plan.model if plan.mesh.context == 1 else _context_spec(plan.model, plan.mesh.context)
+
+
+@functools.lru_cache(maxsize=4096)
+def _context_spec(spec: ModelSpec, c: int) -> ModelSpec:
+    """:func:`rank_spec` of a model split over ``c > 1`` context ranks, kept per (model, c): a search asks it of the
+    same few models hundreds of thousands of times, and each answer is a validated ModelSpec."""
     local = spec.seq_len // c
     block = math.gcd(spec.flash_block, local) if spec.attention is Attention.FLASH else local
     # A sliding window only masks the ring's blocks (each is computed whole): priced as full causal attention.
