@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from testbed.plan.spec import Plan
 
 __all__ = ["AttentionKernel", "attention_kernel", "tpu_kernel", "splash_block", "SplashBlocks", "LANES", "SPLASH_BLOCKS",
-           "SPLASH_FUSED_BACKWARD", "SPLASH_BLOCK_AREA", "SPLASH_FORWARD_HALVED_AT"]
+           "SPLASH_FUSED_BACKWARD", "SPLASH_BLOCK_AREA", "SPLASH_FORWARD_HALVED_AT", "turns_rope"]
 
 #: The TPU vector unit's lane count: splash attention's K/V compute blocks are multiples of it
 #: (``splash_attention_kernel.NUM_LANES``).
@@ -121,6 +121,13 @@ def attention_kernel(*, flash: bool, platform: str, devices: int, seq: int, cont
     if flash and platform == "tpu" and devices == 1 and not context and splash_block(seq) is not None:
         return AttentionKernel.SPLASH
     return AttentionKernel.SCAN
+
+
+def turns_rope(kernel: AttentionKernel) -> bool:
+    """Whether RoPE takes its XLA:TPU form under ``kernel``: the half swap a signed-permutation dot over the whole head
+    dim (testbed.runner.rope.rope_turned), on the splash path; the runner applies it and the memory model counts the
+    dots a dots policy then saves (testbed.model.xla_tpu.turned_rope_bytes)."""
+    return kernel is AttentionKernel.SPLASH
 
 
 def tpu_kernel(plan: "Plan", seq: int | None = None) -> AttentionKernel:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from testbed.model.activations import FLASH_BYTES, LOSS_BYTES, norms
-from testbed.model.flash_kernel import LANES, AttentionKernel, tpu_kernel
+from testbed.model.flash_kernel import LANES, AttentionKernel, tpu_kernel, turns_rope
 from testbed.model.kept import (DOTS_POLICIES, dots_saved_bytes, flash_kept_bytes, keeps_flash_under_full, saves_dots,
                                 saves_flash_residuals, xla_program)
 from testbed.model.ring import rank_spec
@@ -79,7 +79,7 @@ def turned_rope_bytes(plan: Plan) -> int:
     the set without them). 0 without RoPE or the splash kernel."""
     spec = rank_spec(plan)
     if (spec.attention is not Attention.FLASH or spec.position is not Position.ROPE
-            or tpu_kernel(plan) is not AttentionKernel.SPLASH):
+            or not turns_rope(tpu_kernel(plan))):
         return 0
     t, n = plan.mesh.tensor, plan.microbatch_size * spec.seq_len
     kv = n * spec.kv_dim // (t if spec.kv_split(t) else 1)

@@ -45,6 +45,7 @@ from testbed.runner.rope import rope, rope_turned
 from testbed.runner.ring_attention import ContextShards
 from testbed.runner.tpu_attention import AttentionKernel, softmax_scale, splash_attention
 from testbed.model import layout
+from testbed.model.flash_kernel import turns_rope
 from testbed.model.kept import DOTS_POLICIES
 from testbed.model.layout import Init, ParamSpec, Part
 from testbed.model.leaves import linked_layer
@@ -241,7 +242,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, arch: _Arch, remat: Remat 
     Under the splash kernel RoPE takes its XLA:TPU form (testbed.runner.rope.rope_turned), the softmax scale on q's
     tables."""
     splash = arch.context is None and arch.flash_block is not None and arch.kernel is AttentionKernel.SPLASH
-    if arch.rope_theta is not None and splash:
+    if arch.rope_theta is not None and splash and turns_rope(arch.kernel):
         q, k = rope_turned(q, arch.rope_theta, scale=softmax_scale(q.shape[-1])), rope_turned(k, arch.rope_theta)
     elif arch.rope_theta is not None:
         order = None if arch.context is None else arch.context.order
